@@ -1,0 +1,14 @@
+"""llama-lite: a minimal Llama 4 inference engine."""
+
+from .args import ModelArgs, MoEArgs
+from .chat_format import ChatFormat, RawMessage, ToolCall
+from .checkpoint import Checkpoint
+from .errors import CheckpointError, ConfigError, LlamaLiteError, PromptError, TokenizerError
+from .generation import GenerationResult, Llama4
+from .model import Transformer
+from .tokenizer import Tokenizer
+
+__all__ = [
+    "ChatFormat", "Checkpoint", "CheckpointError", "ConfigError", "GenerationResult", "Llama4", "LlamaLiteError",
+    "ModelArgs", "MoEArgs", "PromptError", "RawMessage", "Tokenizer", "TokenizerError", "ToolCall", "Transformer",
+]

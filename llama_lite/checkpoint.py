@@ -1,0 +1,302 @@
+"""Reading checkpoints: Meta's layout (params.json + consolidated.NN.pth, any model-parallel size)
+and Hugging Face's (config.json + *.safetensors). Nothing here executes pickled code.
+
+A ``Checkpoint`` is a lazy view for one model-parallel rank of the run: ``get(name)`` returns the
+tensor this rank needs under the engine's parameter name, resharded from whatever MP size the
+files were written with. All renaming of Meta's fused keys and Hugging Face's names lives here.
+"""
+
+import json
+import pickle
+import re
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .args import ModelArgs, args_from_hf_config, args_from_params, read_json
+from .errors import CheckpointError, ConfigError
+
+_SHARD_RE = re.compile(r"consolidated\.(\d+)\.pth$")
+
+# How a parameter is split across model-parallel ranks: the axis, or None when every rank holds it whole.
+_SPLIT_RULES: list[tuple[re.Pattern, Optional[int]]] = [
+    (re.compile(p), axis)
+    for p, axis in [
+        (r"^tok_embeddings\.weight$", 0),
+        (r"^output\.weight$", 0),
+        (r"\.attention\.w[qkv]\.weight$", 0),
+        (r"\.attention\.wo\.weight$", 1),
+        (r"\.feed_forward\.(shared_expert\.)?w[13]\.weight$", 0),
+        (r"\.feed_forward\.(shared_expert\.)?w2\.weight$", 1),
+        (r"\.feed_forward\.experts\.w[13]$", 2),
+        (r"\.feed_forward\.experts\.w2$", 1),
+        (r"norm\.weight$", None),
+        (r"\.feed_forward\.router_DE$", None),
+    ]
+]
+
+
+def split_axis(name: str) -> Optional[int]:
+    """Axis along which ``name`` is sharded under tensor parallelism (None: replicated)."""
+    for pattern, axis in _SPLIT_RULES:
+        if pattern.search(name):
+            return axis
+    raise CheckpointError(f"no sharding rule for parameter {name!r}")
+
+
+def load_pth(path: Path, mmap: bool = True) -> dict:
+    """torch.load with weights_only=True: a file that needs arbitrary code to unpickle is refused."""
+    try:
+        obj = torch.load(str(path), map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"refused to load {path}: it is not a plain tensor file ({str(e).splitlines()[0]})") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: it is truncated or not a PyTorch checkpoint ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} does not hold a state dict")
+    return obj
+
+
+def detect_format(ckpt_dir: Path) -> Optional[str]:
+    if (ckpt_dir / "params.json").is_file() and any(ckpt_dir.glob("consolidated.*.pth")):
+        return "meta"
+    if (ckpt_dir / "config.json").is_file() and any(ckpt_dir.glob("*.safetensors")):
+        return "hf"
+    return None
+
+
+def check_dir(ckpt_dir) -> Path:
+    path = Path(ckpt_dir).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint folder {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a folder")
+    try:
+        next(path.iterdir(), None)
+    except PermissionError:
+        raise CheckpointError(f"checkpoint folder {path} is not readable") from None
+    return path
+
+
+def read_model_args(ckpt_dir, **overrides) -> ModelArgs:
+    """ModelArgs from params.json (Meta) or config.json (Hugging Face) in ckpt_dir."""
+    path = check_dir(ckpt_dir)
+    if (path / "params.json").is_file():
+        return args_from_params(read_json(path / "params.json"), **overrides)
+    if (path / "config.json").is_file():
+        return args_from_hf_config(read_json(path / "config.json"), **overrides)
+    raise ConfigError(f"{path} has neither params.json (Meta layout) nor config.json (Hugging Face layout)")
+
+
+def _meta_shard_index(state: dict, args: ModelArgs, mp: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """Engine name -> getter of this shard's slice, accepting the fused/renamed keys Meta's files use."""
+    index: dict[str, Callable[[], torch.Tensor]] = {}
+    hd = args.head_dim
+    for key in state:
+        if key.endswith("._extra_state") or key == "rope.freqs" or key.startswith("vision_"):
+            continue
+        m = re.match(r"^(layers\.\d+\.)(.*)$", key)
+        prefix, rest = (m.group(1), m.group(2)) if m else ("", key)
+        get = lambda k=key: state[k]  # noqa: E731
+        if rest == "attention.wqkv.weight":
+            q, kv = args.n_heads // mp * hd, args.n_kv_heads // mp * hd
+            for i, n in enumerate("qkv"):
+                lo = (0, q, q + kv)[i]
+                size = q if n == "q" else kv
+                index[f"{prefix}attention.w{n}.weight"] = lambda k=key, lo=lo, size=size: state[k][lo : lo + size]
+        elif rest == "attention.wqkv.layer_norm_weight":
+            index[prefix + "attention_norm.weight"] = get
+        elif rest in ("feed_forward.norm.weight", "feed_forward.mlp.layer_norm_weight"):
+            index[prefix + "ffn_norm.weight"] = get
+        elif rest == "feed_forward.mlp.fc1_weight":
+            index[prefix + "feed_forward.w1.weight"] = lambda k=key: state[k].chunk(2, dim=0)[0]
+            index[prefix + "feed_forward.w3.weight"] = lambda k=key: state[k].chunk(2, dim=0)[1]
+        elif rest == "feed_forward.mlp.fc2_weight":
+            index[prefix + "feed_forward.w2.weight"] = get
+        elif rest in ("feed_forward.experts.moe_w_in_eD_F", "feed_forward.experts.moe_w_swiglu_eD_F"):
+            name = "w1" if "in" in rest else "w3"
+            e = args.moe_args.num_experts if args.moe_args else 1
+            index[f"{prefix}feed_forward.experts.{name}"] = lambda k=key, e=e: state[k].view(e, -1, state[k].shape[-1])
+        elif rest == "feed_forward.experts.moe_w_out_eF_D":
+            e = args.moe_args.num_experts if args.moe_args else 1
+            index[prefix + "feed_forward.experts.w2"] = lambda k=key, e=e: state[k].view(e, -1, state[k].shape[-1])
+        elif rest in ("feed_forward.w_in_shared_FD.weight", "feed_forward.w_swiglu_FD.weight",
+                      "feed_forward.w_out_shared_DF.weight"):
+            name = {"in": "w1", "sw": "w3", "ou": "w2"}[rest.split(".")[1][2:4]]
+            index[f"{prefix}feed_forward.shared_expert.{name}.weight"] = get
+        else:
+            index[key] = get
+    return index
+
+
+_HF_RENAMES = [
+    (r"^model\.embed_tokens\.weight$", "tok_embeddings.weight"),
+    (r"^lm_head\.weight$", "output.weight"),
+    (r"^model\.norm\.weight$", "norm.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight$", r"layers.\1.attention.w\2.weight"),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", r"layers.\1.attention_norm.weight"),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$", r"layers.\1.ffn_norm.weight"),
+    (r"^model\.layers\.(\d+)\.feed_forward\.(shared_expert\.)?gate_proj\.weight$", r"layers.\1.feed_forward.\2w1.weight"),
+    (r"^model\.layers\.(\d+)\.feed_forward\.(shared_expert\.)?up_proj\.weight$", r"layers.\1.feed_forward.\2w3.weight"),
+    (r"^model\.layers\.(\d+)\.feed_forward\.(shared_expert\.)?down_proj\.weight$", r"layers.\1.feed_forward.\2w2.weight"),
+    (r"^model\.layers\.(\d+)\.feed_forward\.experts\.down_proj$", r"layers.\1.feed_forward.experts.w2"),
+]
+
+
+def _hf_name(name: str) -> str:
+    """Strip the multimodal wrapper's prefixes so the text model's names remain."""
+    for prefix in ("model.language_model.", "language_model.model.", "language_model."):
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            return rest if rest.startswith(("model.", "lm_head.")) else "model." + rest
+    return name
+
+
+class Checkpoint:
+    """Lazy, resharding view of a bf16 checkpoint folder for model-parallel ``rank`` of ``world_size``."""
+
+    def __init__(self, ckpt_dir, args: Optional[ModelArgs] = None, world_size: int = 1, rank: int = 0):
+        self.dir = check_dir(ckpt_dir)
+        self.args = args or read_model_args(self.dir)
+        self.world_size, self.rank = world_size, rank
+        self.format = detect_format(self.dir)
+        self._index: Optional[dict[str, Callable[[], torch.Tensor]]] = None
+        self._sources: list[dict[str, Callable[[], torch.Tensor]]] = []
+        self._chunk: tuple[int, int] = (1, 0)  # (pieces, which) when one file feeds several ranks
+
+    # --- opening ------------------------------------------------------------------------
+    def meta_shards(self) -> list[Path]:
+        shards = sorted(self.dir.glob("consolidated.*.pth"))
+        numbers = [int(_SHARD_RE.search(p.name).group(1)) for p in shards if _SHARD_RE.search(p.name)]
+        if numbers != list(range(len(numbers))):
+            missing = sorted(set(range(max(numbers) + 1)) - set(numbers)) if numbers else [0]
+            raise CheckpointError(f"{self.dir} lacks shard consolidated.{missing[0]:02d}.pth")
+        return shards
+
+    def _open(self) -> None:
+        if self._index is not None:
+            return
+        if self.format == "meta":
+            self._open_meta()
+        elif self.format == "hf":
+            self._open_hf()
+        else:
+            raise CheckpointError(
+                f"{self.dir} holds no bf16 weights (neither consolidated.NN.pth with params.json "
+                "nor *.safetensors with config.json)"
+            )
+
+    def _open_meta(self) -> None:
+        shards = self.meta_shards()
+        old, new = len(shards), self.world_size
+        if new % old == 0:
+            picked = [self.rank * old // new]
+            self._chunk = (new // old, self.rank % (new // old))
+        elif old % new == 0:
+            f = old // new
+            picked = list(range(self.rank * f, (self.rank + 1) * f))
+        else:
+            raise CheckpointError(
+                f"a checkpoint with {old} model-parallel shards cannot be loaded on world size {new} "
+                "(one must be a multiple of the other)"
+            )
+        self.source_mp = old
+        self._sources = [_meta_shard_index(load_pth(shards[i]), self.args, old) for i in picked]
+        keys = set(self._sources[0])
+        for i, src in zip(picked[1:], self._sources[1:]):
+            if set(src) != keys:
+                raise CheckpointError(f"shard {shards[i].name} holds different tensors from {shards[picked[0]].name}")
+        self._index = self._sources[0]
+
+    def _open_hf(self) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        index: dict[str, Callable[[], torch.Tensor]] = {}
+        for path in sorted(self.dir.glob("*.safetensors")):
+            try:
+                handle = safe_open(str(path), framework="pt")
+                names = list(handle.keys())
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"cannot read {path}: corrupted safetensors file ({e})") from None
+            for raw in names:
+                name = _hf_name(raw)
+                get = lambda h=handle, r=raw: h.get_tensor(r)  # noqa: E731
+                m = re.match(r"^model\.layers\.(\d+)\.feed_forward\.(router\.weight|experts\.gate_up_proj)$", name)
+                if m and m.group(2) == "router.weight":
+                    index[f"layers.{m.group(1)}.feed_forward.router_DE"] = lambda g=get: g().t()
+                elif m:
+                    p = f"layers.{m.group(1)}.feed_forward.experts."
+                    index[p + "w1"] = lambda g=get: g().chunk(2, dim=-1)[0]
+                    index[p + "w3"] = lambda g=get: g().chunk(2, dim=-1)[1]
+                else:
+                    for pattern, repl in _HF_RENAMES:
+                        new, n = re.subn(pattern, repl, name)
+                        if n:
+                            index[new] = get
+                            break
+        self.source_mp = 1
+        self._sources = [index]
+        self._chunk = (self.world_size, self.rank)
+        self._index = index
+
+    # --- access -------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        self._open()
+        return list(self._index)
+
+    def __contains__(self, name: str) -> bool:
+        self._open()
+        return name in self._index
+
+    def get(self, name: str) -> torch.Tensor:
+        """This rank's slice of parameter ``name``."""
+        self._open()
+        if name not in self._index:
+            raise CheckpointError(f"{self.dir} lacks the tensor {name!r} (shards from a different model?)")
+        axis = split_axis(name)
+        try:
+            parts = [src[name]() for src in self._sources]
+        except (RuntimeError, OSError) as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {self.dir}: {e}") from None
+        if axis is None:
+            return parts[0]
+        t = torch.cat(parts, dim=axis) if len(parts) > 1 else parts[0]
+        pieces, which = self._chunk
+        if pieces > 1:
+            if t.shape[axis] % pieces:
+                raise CheckpointError(f"tensor {name!r} of shape {tuple(t.shape)} cannot be split {pieces} ways")
+            t = t.chunk(pieces, dim=axis)[which]
+        return t
+
+
+def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Replace parameter ``name`` (dotted path) of ``module`` by ``tensor``."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    setattr(owner, attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def load_weights(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16, device=None) -> nn.Module:
+    """The default loader: every parameter lands once, in ``dtype`` on ``device``."""
+    device = torch.device(device or "cpu")
+    for name, param in list(model.named_parameters()):
+        t = checkpoint.get(name)
+        if tuple(t.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(t.shape)} in the checkpoint but the model expects "
+                f"{tuple(param.shape)} (params.json does not match the weights)"
+            )
+        t = t.to(device=device, dtype=dtype)
+        set_tensor(model, name, t.contiguous())
+    return model
+
+
+def write_meta_checkpoint(out_dir, params: dict, shards: list[dict]) -> None:
+    """Write params.json and one consolidated.NN.pth per shard."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "params.json").write_text(json.dumps(params, indent=2))
+    for i, sd in enumerate(shards):
+        torch.save(sd, out / f"consolidated.{i:02d}.pth")

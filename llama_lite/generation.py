@@ -1,0 +1,238 @@
+"""Building a Llama 4 from a checkpoint folder, and batched, streaming generation."""
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from .args import ModelArgs
+from .chat_format import ChatFormat, RawMessage
+from .checkpoint import Checkpoint, load_weights, read_model_args
+from .distributed import init_distributed
+from .errors import CheckpointError, ConfigError, PromptError
+from .model import Transformer
+from .tokenizer import Tokenizer, default_tokenizer_path
+
+Loader = Callable[[Transformer, Checkpoint], Transformer]
+
+
+@dataclass
+class GenerationResult:
+    token: int
+    text: str
+    source: str  # "input" (echoed prompt) or "output"
+    batch_idx: int
+    finished: bool
+    ignore_token: bool  # True for rows that already finished
+    logprobs: Optional[list[float]] = None
+
+
+def resolve_device(device=None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def find_tokenizer(ckpt_dir: Path, tokenizer_path=None) -> Tokenizer:
+    if tokenizer_path is not None:
+        return Tokenizer(tokenizer_path)
+    local = ckpt_dir / "tokenizer.model"
+    return Tokenizer(local if local.is_file() else default_tokenizer_path())
+
+
+class Llama4:
+    @staticmethod
+    def build(
+        ckpt_dir,
+        max_seq_len: int,
+        max_batch_size: int,
+        world_size: Optional[int] = None,
+        device=None,
+        seed: int = 1,
+        convert: Optional[Loader] = None,
+        dtype: torch.dtype = torch.bfloat16,
+        tokenizer_path=None,
+    ) -> "Llama4":
+        """Build the model on the meta device and hand it to ``convert`` (default: bf16 weights) to load."""
+        for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        start = time.perf_counter()
+        device = resolve_device(device)
+        rank, world_size = init_distributed(world_size, device.type)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.manual_seed(seed)
+
+        args = read_model_args(ckpt_dir, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+        ckpt_path = Path(ckpt_dir).expanduser()
+        tokenizer = find_tokenizer(ckpt_path, tokenizer_path)
+        if args.vocab_size == -1:
+            args.vocab_size = tokenizer.n_words
+        if args.vocab_size != tokenizer.n_words:
+            raise ConfigError(
+                f"the model's vocab_size ({args.vocab_size}) does not match the tokenizer's {tokenizer.n_words} tokens"
+            )
+        if args.vocab_size % world_size:
+            raise ConfigError(f"vocab_size {args.vocab_size} does not divide by world size {world_size}")
+
+        checkpoint = Checkpoint(ckpt_path, args, world_size=world_size, rank=rank)
+        checkpoint.device, checkpoint.dtype = device, dtype
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                model = Transformer(args)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        loader = convert or (lambda m, c: load_weights(m, c, dtype=dtype, device=device))
+        model = loader(model, checkpoint)
+        left = [n for n, p in model.named_parameters() if p.is_meta]
+        if left:
+            raise CheckpointError(f"the loader left {len(left)} parameter(s) without weights, e.g. {left[0]!r}")
+        model.eval()
+        model.setup_caches(dtype, device)
+        llama = Llama4(model, tokenizer, args)
+        llama.load_seconds = time.perf_counter() - start
+        llama.device, llama.rank, llama.world_size = device, rank, world_size
+        return llama
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, args: ModelArgs):
+        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.formatter = ChatFormat(tokenizer)
+        self.device = next(model.parameters()).device
+        self.load_seconds = 0.0
+
+    # --- generation ---------------------------------------------------------------------
+    def _check(self, prompts, temperature, top_p, top_k, max_gen_len) -> int:
+        limit = self.args.max_seq_len
+        if not prompts:
+            raise PromptError("no prompts were given")
+        if len(prompts) > self.args.max_batch_size:
+            raise PromptError(f"{len(prompts)} prompts exceed max_batch_size {self.args.max_batch_size}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise PromptError(f"prompt {i} is empty")
+            if len(p) >= limit:
+                raise PromptError(f"prompt {i} has {len(p)} tokens, which leaves no room under max_seq_len {limit}")
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise PromptError(f"temperature must be >= 0, got {temperature!r}")
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise PromptError(f"top_p must be in (0, 1], got {top_p!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise PromptError(f"top_k must be a positive integer, got {top_k!r}")
+        if max_gen_len is None:
+            return limit - 1
+        if not isinstance(max_gen_len, int) or isinstance(max_gen_len, bool) or max_gen_len <= 0:
+            raise PromptError(f"max_gen_len must be a positive integer, got {max_gen_len!r}")
+        return max_gen_len
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_tokens: Sequence[Sequence[int]],
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        top_k: Optional[int] = None,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+        echo: bool = False,
+        seed: Optional[int] = None,
+        stop_tokens: Optional[Sequence[int]] = None,
+    ) -> Iterator[list[GenerationResult]]:
+        """Yield, for every step, one result per prompt. Rows advance at their own positions,
+        so a prompt's greedy output does not depend on the other prompts in the batch."""
+        max_gen_len = self._check(prompt_tokens, temperature, top_p, top_k, max_gen_len)
+        dev, bsz = self.device, len(prompt_tokens)
+        lens = torch.tensor([len(p) for p in prompt_tokens], device=dev)
+        limit = torch.clamp(lens + max_gen_len, max=self.args.max_seq_len)
+        stops = torch.tensor(list(stop_tokens if stop_tokens is not None else self.tokenizer.stop_tokens), device=dev)
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(torch.initial_seed() if seed is None else seed)
+
+        padded = torch.full((bsz, int(lens.max())), self.tokenizer.pad_id, dtype=torch.long, device=dev)
+        for i, p in enumerate(prompt_tokens):
+            padded[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+
+        full = echo and logprobs
+        logits = self.model(padded, 0, last_index=None if full else lens - 1)
+        if echo:
+            lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, padded[:, 1:, None])[..., 0] if full else None
+            for j in range(int(lens.max())):
+                yield [
+                    GenerationResult(
+                        token=int(padded[i, j]), text=self.tokenizer.decode([int(padded[i, j])]), source="input",
+                        batch_idx=i, finished=False, ignore_token=j >= int(lens[i]),
+                        logprobs=[float(lp[i, j - 1])] if full and j > 0 else ([0.0] if full else None),
+                    )
+                    for i in range(bsz)
+                ]
+            logits = logits[torch.arange(bsz, device=dev), lens - 1].unsqueeze(1)
+
+        pos = lens.clone()  # where each row's next token goes
+        done = torch.zeros(bsz, dtype=torch.bool, device=dev)
+        while True:
+            next_logits = logits[:, -1]
+            nxt = sample(next_logits, temperature, top_p, top_k, gen)
+            token_lp = torch.log_softmax(next_logits, dim=-1).gather(-1, nxt[:, None])[:, 0] if logprobs else None
+            was_done = done.clone()
+            done |= torch.isin(nxt, stops) | (pos + 1 >= limit)
+            yield [
+                GenerationResult(
+                    token=int(nxt[i]), text=self.tokenizer.decode([int(nxt[i])]), source="output", batch_idx=i,
+                    finished=bool(done[i]), ignore_token=bool(was_done[i]),
+                    logprobs=[float(token_lp[i])] if logprobs else None,
+                )
+                for i in range(bsz)
+            ]
+            if bool(done.all()):
+                return
+            # Finished rows keep a valid position; their outputs are ignored from here on.
+            write = torch.where(done, torch.clamp(pos, max=self.args.max_seq_len - 1), pos)
+            logits = self.model(nxt[:, None], write)
+            pos = torch.where(done, pos, pos + 1)
+
+    def generate_tokens(self, prompt_tokens, **kwargs) -> list[list[int]]:
+        """Non-streaming generate: the new tokens of each prompt (stop token included when reached)."""
+        out: list[list[int]] = [[] for _ in prompt_tokens]
+        for step in self.generate(prompt_tokens, **kwargs):
+            for r in step:
+                if r.source == "output" and not r.ignore_token:
+                    out[r.batch_idx].append(r.token)
+        return out
+
+    def completion(self, prompts: Sequence[str], **kwargs) -> Iterator[list[GenerationResult]]:
+        """Plain-text continuation of each prompt (BOS + text, no chat template)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        tokens = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str) or not p:
+                raise PromptError(f"prompt {i} must be a non-empty string")
+            tokens.append(self.formatter.encode_content(p))
+        yield from self.generate(tokens, **kwargs)
+
+    def chat_completion(self, dialogs: Sequence[Sequence[RawMessage]], **kwargs) -> Iterator[list[GenerationResult]]:
+        """Assistant replies to each dialog; decode the tokens with ``formatter.decode_assistant_message``."""
+        tokens = [self.formatter.encode_dialog_prompt(list(d)) for d in dialogs]
+        yield from self.generate(tokens, **kwargs)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: Optional[int], gen) -> torch.Tensor:
+    """Greedy at temperature 0; otherwise softmax(logits / T) restricted to top-k, then to the top-p nucleus."""
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+    if top_k is not None:
+        sorted_p[:, top_k:] = 0.0
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    sorted_p[(torch.cumsum(sorted_p, dim=-1) - sorted_p) > top_p] = 0.0
+    sorted_p /= sorted_p.sum(dim=-1, keepdim=True)
+    choice = torch.multinomial(sorted_p, 1, generator=gen)
+    return idx.gather(-1, choice)[:, 0]

@@ -1,0 +1,284 @@
+"""Llama 4 text transformer: GQA attention with iRoPE (chunked local RoPE layers, global NoPE
+layers), a sparse mixture of experts with a shared expert, and a KV cache with per-row positions.
+
+Shape suffixes follow Meta's reference where shapes are the point:
+B batch, S new tokens, L cached length, D model dim, E experts, F expert hidden (per rank),
+a = B*S tokens, T = tokens routed (a * top_k).
+"""
+
+import contextlib
+import math
+from typing import Optional, Union
+
+import fairscale.nn.model_parallel.initialize as fs_init
+import fairscale.nn.model_parallel.layers as fs_layers
+import torch
+import torch.nn.functional as F
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from fairscale.nn.model_parallel.mappings import reduce_from_model_parallel_region
+from torch import nn
+
+from .args import ModelArgs
+from .errors import ConfigError
+
+
+def rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, self.eps) * self.weight
+
+
+def rope_frequencies(args: ModelArgs, end: int) -> torch.Tensor:
+    """complex64 [end, head_dim/2]: e^(i * pos * freq), with Llama 4's low/high frequency scaling."""
+    dim = args.head_dim
+    # Always computed on the CPU in fp32, also while the model itself is built on the meta device.
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device="cpu")[: dim // 2].float() / dim))
+    if args.use_scaled_rope:
+        old_context, low_factor, high_factor = 8192, 1.0, args.rope_high_freq_factor
+        wavelen = 2 * math.pi / freqs
+        smooth = (old_context / wavelen - low_factor) / (high_factor - low_factor) if high_factor != low_factor else 0
+        scaled = (1 - smooth) * freqs / args.rope_scaling_factor + smooth * freqs
+        freqs = torch.where(
+            wavelen < old_context / high_factor,
+            freqs,
+            torch.where(wavelen > old_context / low_factor, freqs / args.rope_scaling_factor, scaled),
+        )
+    angles = torch.outer(torch.arange(end, dtype=torch.float32, device="cpu"), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x_bshd: torch.Tensor, freqs_bsd: torch.Tensor) -> torch.Tensor:
+    """Interleaved (complex-pair) rotary embedding, as Meta's reference."""
+    xc = torch.view_as_complex(x_bshd.float().reshape(*x_bshd.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs_bsd.unsqueeze(2)).flatten(3).type_as(x_bshd)
+
+
+def attention_masks(positions_bs: torch.Tensor, cache_len: int, chunk: Optional[int]):
+    """Boolean masks [B, 1, S, L] (True = may attend): causal, and causal within the query's chunk."""
+    key_pos = torch.arange(cache_len, device=positions_bs.device)
+    q = positions_bs.unsqueeze(-1)
+    causal = key_pos <= q
+    local = causal & (key_pos // chunk == q // chunk) if chunk else causal
+    return causal.unsqueeze(1), local.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, use_rope: bool, use_qk_norm: bool):
+        super().__init__()
+        tp = fs_init.get_model_parallel_world_size()
+        if args.n_kv_heads % tp or args.n_heads % tp:
+            raise ConfigError(f"n_heads ({args.n_heads}) and n_kv_heads ({args.n_kv_heads}) must divide by world size {tp}")
+        self.use_rope, self.use_qk_norm = use_rope, use_qk_norm
+        self.temperature_tuning = args.attn_temperature_tuning and not use_rope
+        self.floor_scale, self.attn_scale, self.norm_eps = args.floor_scale, args.attn_scale, args.norm_eps
+        self.head_dim = args.head_dim
+        self.n_local_heads = args.n_heads // tp
+        self.n_local_kv_heads = args.n_kv_heads // tp
+        hd = self.head_dim
+        self.wq = ColumnParallelLinear(args.dim, args.n_heads * hd, bias=False, gather_output=False, init_method=_keep)
+        self.wk = ColumnParallelLinear(args.dim, args.n_kv_heads * hd, bias=False, gather_output=False, init_method=_keep)
+        self.wv = ColumnParallelLinear(args.dim, args.n_kv_heads * hd, bias=False, gather_output=False, init_method=_keep)
+        self.wo = RowParallelLinear(args.n_heads * hd, args.dim, bias=False, input_is_parallel=True, init_method=_keep)
+        self.cache_k: Optional[torch.Tensor] = None
+        self.cache_v: Optional[torch.Tensor] = None
+
+    def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, device) -> None:
+        shape = (max_batch_size, max_seq_len, self.n_local_kv_heads, self.head_dim)
+        self.cache_k = torch.zeros(shape, dtype=dtype, device=device)
+        self.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def forward(self, x_bsD, positions_bs, freqs_bsd, mask_b1sl) -> torch.Tensor:
+        bsz, seqlen, _ = x_bsD.shape
+        q = self.wq(x_bsD).view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        k = self.wk(x_bsD).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        v = self.wv(x_bsD).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        if self.use_rope:
+            q, k = apply_rope(q, freqs_bsd), apply_rope(k, freqs_bsd)
+        if self.use_qk_norm:
+            q, k = rmsnorm(q, self.norm_eps), rmsnorm(k, self.norm_eps)
+        if self.temperature_tuning:
+            # Sharpen attention at long range on the global (NoPE) layers; no-op below floor_scale.
+            pos = positions_bs.float()
+            scale = torch.log(torch.floor((pos + 1.0) / self.floor_scale) + 1.0) * self.attn_scale + 1.0
+            q = (q * scale[:, :, None, None]).type_as(k)
+
+        # Each row writes its own positions, so rows of different lengths share one cache.
+        rows = torch.arange(bsz, device=x_bsD.device).unsqueeze(1)
+        self.cache_k[rows, positions_bs] = k
+        self.cache_v[rows, positions_bs] = v
+        cache_len = mask_b1sl.shape[-1]
+        keys = self.cache_k[:bsz, :cache_len].transpose(1, 2)
+        values = self.cache_v[:bsz, :cache_len].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask_b1sl, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU. As a shared expert (do_reduce=False) its partial sums join the routed ones before one reduction."""
+
+    def __init__(self, dim: int, hidden_dim: int, do_reduce: bool = True):
+        super().__init__()
+        self.do_reduce = do_reduce
+        self.w1 = ColumnParallelLinear(dim, hidden_dim, bias=False, gather_output=False, init_method=_keep)
+        self.w3 = ColumnParallelLinear(dim, hidden_dim, bias=False, gather_output=False, init_method=_keep)
+        self.w2 = RowParallelLinear(hidden_dim, dim, bias=False, input_is_parallel=True, init_method=_keep)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(F.silu(F.linear(x, self.w1.weight)) * F.linear(x, self.w3.weight), self.w2.weight)
+        return reduce_from_model_parallel_region(out) if self.do_reduce else out
+
+
+class Experts(nn.Module):
+    """Routed experts, sharded along the hidden dimension. Weights as Meta stores them: w1/w3 [E, D, F], w2 [E, F, D]."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        tp = fs_init.get_model_parallel_world_size()
+        if hidden_dim % tp:
+            raise ConfigError(f"expert hidden size {hidden_dim} does not divide by world size {tp}")
+        f = hidden_dim // tp
+        self.num_experts, self.dim = num_experts, dim
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, f))
+        self.w2 = nn.Parameter(torch.empty(num_experts, f, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, f))
+
+    def forward(self, x_TD: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+        """x_TD: tokens sorted by expert; rows offsets[e]:offsets[e+1] go to expert e."""
+        out_TD = torch.empty_like(x_TD)
+        bounds = offsets_E1.tolist()
+        for e in range(self.num_experts):
+            lo, hi = bounds[e], bounds[e + 1]
+            if lo == hi:
+                continue
+            x = x_TD[lo:hi]
+            out_TD[lo:hi] = (F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
+        return out_TD
+
+
+class MoE(nn.Module):
+    """Top-k sigmoid router; each token visits only its selected experts (sparse dispatch), plus the shared expert."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        assert args.moe_args is not None
+        self.top_k = args.moe_args.top_k
+        hidden = args.expert_hidden_dim()
+        self.experts = Experts(args.moe_args.num_experts, args.dim, hidden)
+        self.router_DE = nn.Parameter(torch.empty(args.dim, args.moe_args.num_experts))
+        self.shared_expert = FeedForward(args.dim, hidden, do_reduce=False)
+
+    def route(self, x_aD: torch.Tensor):
+        """Returns (token index per routed row, score per routed row, offsets [E+1]), rows sorted by expert."""
+        scores_aK, experts_aK = torch.topk(x_aD @ self.router_DE, self.top_k, dim=-1)
+        scores_aK = torch.sigmoid(scores_aK)
+        experts_T = experts_aK.flatten()
+        order_T = torch.argsort(experts_T, stable=True)
+        counts_E = torch.bincount(experts_T, minlength=self.router_DE.shape[1])
+        offsets = torch.zeros(counts_E.numel() + 1, dtype=torch.long, device=x_aD.device)
+        offsets[1:] = torch.cumsum(counts_E, 0)
+        return order_T // self.top_k, scores_aK.flatten()[order_T], offsets
+
+    def forward(self, x_bsD: torch.Tensor) -> torch.Tensor:
+        shape = x_bsD.shape
+        x_aD = x_bsD.reshape(-1, shape[-1])
+        token_T, score_T, offsets = self.route(x_aD)
+        routed_TD = self.experts(x_aD[token_T] * score_T.unsqueeze(-1), offsets)
+        out_aD = self.shared_expert(x_aD)
+        out_aD.index_add_(0, token_T, routed_TD)
+        return reduce_from_model_parallel_region(out_aD).view(shape)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.is_nope_layer = args.is_nope_layer(layer_id)
+        self.attention = Attention(
+            args, use_rope=not self.is_nope_layer, use_qk_norm=args.use_qk_norm and not self.is_nope_layer
+        )
+        self.feed_forward = MoE(args) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.dense_hidden_dim())
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x, positions, freqs, global_mask, local_mask):
+        mask = global_mask if self.is_nope_layer else local_mask
+        h = x + self.attention(self.attention_norm(x), positions, freqs, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _keep(w: torch.Tensor) -> torch.Tensor:
+    return w
+
+
+@contextlib.contextmanager
+def _no_weight_init():
+    """fairscale's layers fill weights at construction; weights always come from a checkpoint, so skip it."""
+    saved = fs_layers._initialize_affine_weight
+    fs_layers._initialize_affine_weight = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        fs_layers._initialize_affine_weight = saved
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.vocab_size, self.n_layers = args.vocab_size, args.n_layers
+        with _no_weight_init():
+            self.tok_embeddings = VocabParallelEmbedding(args.vocab_size, args.dim, init_method=_keep)
+            self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+            self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+            self.output = ColumnParallelLinear(args.dim, args.vocab_size, bias=False, init_method=_keep)
+        self.freqs_cis = rope_frequencies(args, args.max_seq_len * 2)
+
+    def setup_caches(self, dtype: Optional[torch.dtype] = None, device=None) -> None:
+        dtype = dtype or self.norm.weight.dtype
+        device = device or self.norm.weight.device
+        for layer in self.layers:
+            layer.attention.setup_cache(self.args.max_batch_size, self.args.max_seq_len, dtype, device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start_pos: Union[int, torch.Tensor] = 0,
+        last_index: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Logits (float32) for tokens [B, S] written at positions start_pos (+ 0..S-1) of each row.
+
+        ``start_pos`` is an int or a LongTensor [B] (rows at different positions). With
+        ``last_index`` [B], only the logits at that index of each row are computed: [B, 1, V].
+        """
+        bsz, seqlen = tokens.shape
+        device = tokens.device
+        if not torch.is_tensor(start_pos):
+            start_pos = torch.full((bsz,), int(start_pos), dtype=torch.long, device=device)
+        positions = start_pos.to(device).view(bsz, 1) + torch.arange(seqlen, device=device)
+        end = int(positions.max()) + 1
+        if bsz > self.args.max_batch_size or end > self.args.max_seq_len:
+            raise ValueError(
+                f"batch {bsz} x length {end} exceeds the cache ({self.args.max_batch_size} x {self.args.max_seq_len})"
+            )
+        if self.layers[0].attention.cache_k is None:
+            self.setup_caches()
+        global_mask, local_mask = attention_masks(positions, end, self.args.attention_chunk_size)
+        if self.freqs_cis.device != device:
+            self.freqs_cis = self.freqs_cis.to(device)
+        freqs = self.freqs_cis[positions]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, positions, freqs, global_mask, local_mask)
+        if last_index is not None:
+            h = h[torch.arange(bsz, device=device), last_index.to(device)].unsqueeze(1)
+        return self.output(self.norm(h)).float()

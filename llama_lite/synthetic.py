@@ -1,0 +1,247 @@
+"""Random-weight Llama 4 checkpoints in Meta's or Hugging Face's layout, so every path runs
+without downloads. Weights are scaled so activations and logits stay O(1) and routing is decisive."""
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .args import MoEArgs, ModelArgs
+from .checkpoint import split_axis
+from .errors import ConfigError
+
+VOCAB = 202048  # Llama 4's tokenizer: 200000 BPE tokens + 2048 special tokens
+
+PRESETS: dict[str, dict] = {
+    # Tests: every feature on (iRoPE, chunking, temperature tuning, dense + MoE layers), small dims.
+    "tiny": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim_multiplier=1.0, multiple_of=256, ffn_exp=4.0,
+                 attention_chunk_size=8, nope_layer_interval=2, use_qk_norm=True,
+                 attn_temperature_tuning=True, floor_scale=4.0, attn_scale=0.1,
+                 use_scaled_rope=True, rope_scaling_factor=16.0, rope_high_freq_factor=1.0,
+                 moe_args=dict(num_experts=4, top_k=1, interleave_moe_layer_step=1)),
+    # Demos: ~130M parameters (two thirds of them the 202k-token embedding and output).
+    "small": dict(dim=256, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim_multiplier=1.0, multiple_of=256, ffn_exp=4.0,
+                  attention_chunk_size=8192, nope_layer_interval=4, use_qk_norm=True,
+                  attn_temperature_tuning=True, moe_args=dict(num_experts=8, top_k=1)),
+    # Benchmarks: ~4.6B parameters, 8 experts of hidden 4096 in every layer.
+    "bench": dict(dim=2048, n_layers=16, n_heads=16, n_kv_heads=4, ffn_dim_multiplier=1.0, multiple_of=256, ffn_exp=3.0,
+                  attention_chunk_size=8192, nope_layer_interval=4, use_qk_norm=True,
+                  attn_temperature_tuning=True,
+                  moe_args=dict(num_experts=8, top_k=1, auto_scale_F=False)),
+}
+
+
+def preset_args(preset: str, **overrides) -> ModelArgs:
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    values = {**PRESETS[preset], "vocab_size": VOCAB, **overrides}
+    moe = values.pop("moe_args", None)
+    if isinstance(moe, dict):
+        moe = MoEArgs(**moe)
+    return ModelArgs(**values, moe_args=moe)
+
+
+def random_state_dict(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) model under the engine's parameter names, bf16."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    def norm(n: int) -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    d, hd = args.dim, args.head_dim
+    sd = {"tok_embeddings.weight": rand(args.vocab_size, d, std=1.0)}
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        sd[p + "attention.wq.weight"] = rand(args.n_heads * hd, d, std=d**-0.5)
+        sd[p + "attention.wk.weight"] = rand(args.n_kv_heads * hd, d, std=d**-0.5)
+        sd[p + "attention.wv.weight"] = rand(args.n_kv_heads * hd, d, std=d**-0.5)
+        sd[p + "attention.wo.weight"] = rand(d, args.n_heads * hd, std=(args.n_heads * hd) ** -0.5 / 2)
+        sd[p + "attention_norm.weight"] = norm(d)
+        sd[p + "ffn_norm.weight"] = norm(d)
+        if args.is_moe_layer(i):
+            e, f = args.moe_args.num_experts, args.expert_hidden_dim()
+            sd[p + "feed_forward.router_DE"] = rand(d, e, std=d**-0.5 * 4)
+            sd[p + "feed_forward.experts.w1"] = rand(e, d, f, std=d**-0.5)
+            sd[p + "feed_forward.experts.w3"] = rand(e, d, f, std=d**-0.5)
+            sd[p + "feed_forward.experts.w2"] = rand(e, f, d, std=f**-0.5 / 2)
+            prefix, hidden = p + "feed_forward.shared_expert.", f
+        else:
+            prefix, hidden = p + "feed_forward.", args.dense_hidden_dim()
+        sd[prefix + "w1.weight"] = rand(hidden, d, std=d**-0.5)
+        sd[prefix + "w3.weight"] = rand(hidden, d, std=d**-0.5)
+        sd[prefix + "w2.weight"] = rand(d, hidden, std=hidden**-0.5 / 2)
+    sd["norm.weight"] = norm(d)
+    sd["output.weight"] = rand(args.vocab_size, d, std=d**-0.5 * 2)
+    return sd
+
+
+def shard_state_dict(sd: dict[str, torch.Tensor], mp: int) -> list[dict[str, torch.Tensor]]:
+    """Split into ``mp`` model-parallel shards (engine names)."""
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(mp)]
+    for name, t in sd.items():
+        axis = split_axis(name)
+        parts = [t] * mp if axis is None else t.chunk(mp, dim=axis)
+        for shard, part in zip(shards, parts):
+            shard[name] = part.clone()
+    return shards
+
+
+def to_meta_keys(shard: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Engine names -> the fused key layout of Meta's released consolidated.NN.pth files."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in shard.items():
+        layer, _, rest = name.partition(".")
+        if not name.startswith("layers."):
+            out[name] = t
+            continue
+        idx, _, rest = rest.partition(".")
+        p = f"layers.{idx}."
+        if rest == "attention.wq.weight":
+            out[p + "attention.wqkv.weight"] = torch.cat(
+                [t, shard[p + "attention.wk.weight"], shard[p + "attention.wv.weight"]], dim=0
+            )
+        elif rest in ("attention.wk.weight", "attention.wv.weight"):
+            continue
+        elif rest == "attention_norm.weight":
+            out[p + "attention.wqkv.layer_norm_weight"] = t
+        elif rest == "ffn_norm.weight":
+            dense = p + "feed_forward.w1.weight" in shard
+            out[p + ("feed_forward.mlp.layer_norm_weight" if dense else "feed_forward.norm.weight")] = t
+        elif rest == "feed_forward.w1.weight":
+            out[p + "feed_forward.mlp.fc1_weight"] = torch.cat([t, shard[p + "feed_forward.w3.weight"]], dim=0)
+        elif rest == "feed_forward.w3.weight":
+            continue
+        elif rest == "feed_forward.w2.weight":
+            out[p + "feed_forward.mlp.fc2_weight"] = t
+        elif rest.startswith("feed_forward.experts."):
+            key = {"w1": "moe_w_in_eD_F", "w3": "moe_w_swiglu_eD_F", "w2": "moe_w_out_eF_D"}[rest.rsplit(".", 1)[1]]
+            out[p + "feed_forward.experts." + key] = t.reshape(-1, t.shape[-1])
+        elif rest.startswith("feed_forward.shared_expert."):
+            key = {"w1": "w_in_shared_FD", "w3": "w_swiglu_FD", "w2": "w_out_shared_DF"}[rest.split(".")[2]]
+            out[p + f"feed_forward.{key}.weight"] = t
+        else:
+            out[name] = t
+    return out
+
+
+def hf_config(args: ModelArgs) -> dict:
+    moe_layers = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
+    cfg = {
+        "architectures": ["Llama4ForCausalLM"],
+        "model_type": "llama4_text",
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "intermediate_size": args.expert_hidden_dim() if args.moe_args else args.dense_hidden_dim(),
+        "intermediate_size_mlp": args.dense_hidden_dim(),
+        "num_local_experts": args.moe_args.num_experts if args.moe_args else 1,
+        "num_experts_per_tok": args.moe_args.top_k if args.moe_args else 1,
+        "interleave_moe_layer_step": args.moe_args.interleave_moe_layer_step if args.moe_args else 0,
+        "moe_layers": moe_layers,
+        "no_rope_layers": [0 if args.is_nope_layer(i) else 1 for i in range(args.n_layers)],
+        "use_qk_norm": args.use_qk_norm,
+        "attention_chunk_size": args.attention_chunk_size,
+        "attn_temperature_tuning": args.attn_temperature_tuning,
+        "floor_scale": int(args.floor_scale) if float(args.floor_scale).is_integer() else args.floor_scale,
+        "attn_scale": args.attn_scale,
+        "max_position_embeddings": max(args.max_seq_len, 8192),
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "bos_token_id": 200000,
+        "eos_token_id": [200001, 200007, 200008],
+        "pad_token_id": 200018,
+    }
+    if args.use_scaled_rope:
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3", "factor": args.rope_scaling_factor, "high_freq_factor": args.rope_high_freq_factor,
+            "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+        }
+    return cfg
+
+
+def to_hf_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    for name, t in sd.items():
+        if name == "tok_embeddings.weight":
+            out["model.embed_tokens.weight"] = t
+        elif name == "output.weight":
+            out["lm_head.weight"] = t
+        elif name == "norm.weight":
+            out["model.norm.weight"] = t
+        else:
+            _, idx, rest = name.split(".", 2)
+            p = f"model.layers.{idx}."
+            if rest.startswith("attention.w"):
+                out[p + f"self_attn.{rest[11]}_proj.weight"] = t
+            elif rest == "attention_norm.weight":
+                out[p + "input_layernorm.weight"] = t
+            elif rest == "ffn_norm.weight":
+                out[p + "post_attention_layernorm.weight"] = t
+            elif rest == "feed_forward.router_DE":
+                out[p + "feed_forward.router.weight"] = t.t().contiguous()
+            elif rest == "feed_forward.experts.w1":
+                out[p + "feed_forward.experts.gate_up_proj"] = torch.cat([t, sd[f"layers.{idx}.feed_forward.experts.w3"]], -1)
+            elif rest == "feed_forward.experts.w3":
+                continue
+            elif rest == "feed_forward.experts.w2":
+                out[p + "feed_forward.experts.down_proj"] = t
+            else:  # dense or shared expert SwiGLU
+                parts = rest.split(".")
+                parts[-2] = names[parts[-2]]
+                out[p + ".".join(parts)] = t
+    return out
+
+
+def write_random_checkpoint(
+    out_dir,
+    preset: str = "tiny",
+    mp: int = 1,
+    seed: int = 0,
+    fmt: str = "meta",
+    tokenizer_path: Optional[Path] = None,
+    overrides: Optional[dict] = None,
+) -> Path:
+    """Write a complete checkpoint folder (weights, params/config, tokenizer.model). Returns its path."""
+    from safetensors.torch import save_file
+
+    from .tokenizer import default_tokenizer_path
+
+    if fmt not in ("meta", "hf"):
+        raise ConfigError(f"unknown checkpoint format {fmt!r}; choose meta or hf")
+    if not isinstance(mp, int) or mp < 1:
+        raise ConfigError(f"mp must be a positive integer, got {mp!r}")
+    args = preset_args(preset, **(overrides or {}))
+    out = Path(out_dir).expanduser()
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent if out.parent.exists() else None))
+    try:
+        sd = random_state_dict(args, seed)
+        if fmt == "meta":
+            (tmp / "params.json").write_text(json.dumps(args.to_params(), indent=2))
+            for i, shard in enumerate(shard_state_dict(sd, mp)):
+                torch.save(to_meta_keys(shard, args), tmp / f"consolidated.{i:02d}.pth")
+        else:
+            if mp != 1:
+                raise ConfigError("the Hugging Face layout is written unsharded (mp=1)")
+            (tmp / "config.json").write_text(json.dumps(hf_config(args), indent=2))
+            save_file({k: v.contiguous() for k, v in to_hf_keys(sd).items()}, str(tmp / "model.safetensors"))
+        shutil.copyfile(tokenizer_path or default_tokenizer_path(), tmp / "tokenizer.model")
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
