@@ -88,6 +88,9 @@ class Llama4:
         try:
             with torch.device("meta"):
                 model = Transformer(args)
+            # fairscale's layers allocate (untouched) CPU storage even under the meta device;
+            # move everything to meta so a loader can tell what it has not loaded yet.
+            model = model.to_empty(device="meta")
         finally:
             torch.set_default_dtype(default_dtype)
         loader = convert or (lambda m, c: load_weights(m, c, dtype=dtype, device=device))

@@ -17,3 +17,7 @@ from quantization.formats import (
     w4a8_from_int4,
     w4a8_naive_from_int4,
 )
+
+from quantization.modes import ALL_TARGETS, DEFAULT_TARGETS, QuantizationMode  # noqa: E402
+from quantization.convert import convert_to_quantized_model, quantize_weight  # noqa: E402
+from quantization.build import build  # noqa: E402

@@ -1,0 +1,270 @@
+"""convert_to_quantized_model: the quantized loader handed to ``Llama4.build(convert=...)``.
+
+It walks the meta-device model one layer at a time, swaps the targeted modules for quantized
+ones and loads every weight, so the bf16 model is never materialised whole. Sources, in order:
+this package's pre-quantized format (quantization.json), llama-models' pre-quantized layout
+(int4_scales_N.pt / fp8_scales_N.pt beside consolidated.NN.pth), or bf16 weights quantized on
+the fly. Each weight is quantized whole and then sliced for this rank, so every world size sees
+the same numbers.
+"""
+
+import logging
+from dataclasses import replace
+from functools import partial
+from typing import Optional
+
+import torch
+from torch import nn
+
+import kernels
+from kernels.formats import QuantizedWeight
+from llama_lite.checkpoint import Checkpoint, set_tensor
+from llama_lite.errors import CheckpointError, ConfigError
+from llama_lite.model import Experts, FeedForward, MoE, Transformer
+
+from .checkpoint_io import (
+    QuantizedCheckpoint,
+    llama_models_expert,
+    llama_models_scale_files,
+    load_llama_models_scales,
+    read_quant_config,
+)
+from .formats import quantize_fp8_rowwise, quantize_int4, quantize_nvfp4, quantize_w4a8, w4a8_from_int4
+from .modes import MODE_FORMAT, QuantizationMode, parse_mode, parse_targets
+from .modules import QuantizedExperts, QuantizedFeedForward, QuantizedLinear
+from .sharding import slice_weight, tensor_fields
+
+log = logging.getLogger("llama_lite.quantization")
+
+
+def quantize_weight(w: torch.Tensor, fmt: str, group_size: int = 128, fp8_activation_scale_ub: float = 1200.0,
+                    nvfp4_activation_amax: Optional[float] = None) -> QuantizedWeight:
+    """Quantize one bf16 weight in nn.Linear orientation ([..., N, K]) to ``fmt``."""
+    k = w.shape[-1]
+    if fmt in ("int4", "w4a8") and k % group_size:
+        raise ConfigError(f"group size {group_size} does not divide the weight's input size {k}")
+    if fmt == "nvfp4" and k % 16:
+        raise ConfigError(f"nvfp4 needs input sizes divisible by 16, got {k}")
+    if fmt == "int4":
+        return quantize_int4(w, group_size)
+    if fmt == "fp8":
+        return quantize_fp8_rowwise(w, fp8_activation_scale_ub)
+    if fmt == "w4a8":
+        return quantize_w4a8(w, group_size)
+    if fmt == "nvfp4":
+        g_in = None
+        if nvfp4_activation_amax is not None:
+            g_in = torch.full(w.shape[:-2], 448.0 * 6.0 / nvfp4_activation_amax, dtype=torch.float32)
+        return quantize_nvfp4(w, g_in)
+    raise ConfigError(f"unknown weight format {fmt!r}")
+
+
+class _Source:
+    """Whole tensors for a weight name, quantized or bf16, from whichever files the folder holds."""
+
+    def __init__(self, checkpoint: Checkpoint, mode: QuantizationMode):
+        self.ckpt, self.mode = checkpoint, mode
+        cfg = read_quant_config(checkpoint.dir)
+        self.ours = None
+        self.lm_scales: list[dict] = []
+        self.derive_w4a8 = False
+        if cfg is not None:
+            stored = cfg.get("quantization_mode")
+            # w4a8 is derived from w4a16 group scales, so an int4 checkpoint serves it too.
+            self.derive_w4a8 = stored == QuantizationMode.int4_mixed.value and mode == QuantizationMode.w4a8
+            if stored != mode.value and not self.derive_w4a8:
+                raise CheckpointError(
+                    f"{checkpoint.dir} was quantized as {stored}; load it with --quantization_mode {stored}"
+                )
+            self.ours = QuantizedCheckpoint(checkpoint.dir, cfg)
+        else:
+            files = llama_models_scale_files(checkpoint.dir, mode.value)
+            self.lm_scales = load_llama_models_scales(files)
+        # The whole-model view (world size 1) that on-the-fly quantization reads from.
+        self.full = Checkpoint(checkpoint.dir, checkpoint.args, world_size=1, rank=0) if self.ours is None else None
+
+    @property
+    def targets(self) -> Optional[tuple]:
+        return self.ours.targets if self.ours is not None else None
+
+    def prequantized(self, name: str) -> Optional[QuantizedWeight]:
+        if self.ours is not None:
+            if not self.ours.is_quantized(name):
+                return None
+            w = self.ours.quantized(name)
+            return w4a8_from_int4(w) if self.derive_w4a8 else w
+        if self.lm_scales and ".experts." in name and name in self.lm_scales[0]:
+            packed = self.full.get(name)
+            if len(self.lm_scales) != self.full.source_mp:
+                raise CheckpointError(
+                    f"{self.ckpt.dir} holds {len(self.lm_scales)} scale files for {self.full.source_mp} weight shards"
+                )
+            scales = [s[name] for s in self.lm_scales]
+            return llama_models_expert(packed, scales, self.mode.value, name.rsplit(".", 1)[1])
+        return None
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self.ours.bf16(name) if self.ours is not None else self.full.get(name)
+
+    def rank_part(self, name: str) -> torch.Tensor:
+        if self.ours is None:
+            return self.ckpt.get(name)
+        from llama_lite.checkpoint import split_axis
+
+        t, axis = self.ours.bf16(name), split_axis(name)
+        if axis is None or self.ckpt.world_size == 1:
+            return t
+        return t.chunk(self.ckpt.world_size, dim=axis)[self.ckpt.rank]
+
+
+def _plan(model: Transformer, targets: tuple, mode: QuantizationMode) -> list[tuple[str, str]]:
+    """(module path, kind) of every module to quantize."""
+    plan = []
+    last = model.n_layers - 1
+    for block in model.layers:
+        p = f"layers.{block.layer_id}."
+        ff = block.feed_forward
+        if isinstance(ff, MoE):
+            # fp8_mixed leaves the first and last layers' experts in bf16, as Meta's reference does.
+            skip = mode == QuantizationMode.fp8_mixed and block.layer_id in (0, last)
+            if "experts" in targets and not skip:
+                plan.append((p + "feed_forward.experts", "experts"))
+            if "shared_expert" in targets:
+                plan.append((p + "feed_forward.shared_expert", "ffn"))
+        elif "ffn" in targets:
+            plan.append((p + "feed_forward", "ffn"))
+        if "attention" in targets:
+            plan += [(p + f"attention.w{n}", "column") for n in "qkv"] + [(p + "attention.wo", "row")]
+    if "output" in targets:
+        plan.append(("output", "output"))
+    return plan
+
+
+def _weights_of(kind: str) -> list[tuple[str, str, bool]]:
+    """(parameter name under the module, split, whether stored transposed [.., K, N] in the core)."""
+    if kind == "experts":
+        return [("w1", "N", True), ("w3", "N", True), ("w2", "K", True)]
+    if kind == "ffn":
+        return [("w1.weight", "N", False), ("w3.weight", "N", False), ("w2.weight", "K", False)]
+    return [("weight", "K" if kind == "row" else "N", False)]
+
+
+def convert_to_quantized_model(
+    model: Transformer,
+    checkpoint: Checkpoint,
+    quantization_mode,
+    targets=None,
+    group_size: int = 128,
+    fp8_activation_scale_ub: float = 1200.0,
+    nvfp4_activation_amax: Optional[float] = None,
+    progress: bool = True,
+    prepare: bool = True,
+) -> Transformer:
+    """Swap targeted modules of a meta-device ``model`` for quantized ones and load all weights.
+
+    Args:
+        model: a Transformer built on the meta device.
+        checkpoint: the core's view of the checkpoint folder for this rank (its ``device`` and
+            ``dtype`` attributes, set by ``Llama4.build``, say where weights go).
+        quantization_mode: none, int4_mixed, fp8_mixed, w4a8 or nvfp4.
+        targets: which parts to quantize (experts, shared_expert, ffn, attention, output; "all");
+            default: the mode's own. A pre-quantized checkpoint brings its own.
+        group_size: int4 / w4a8 group size along K.
+        fp8_activation_scale_ub: upper bound of fp8 per-token activation scales.
+        nvfp4_activation_amax: when set, nvfp4 quantizes activations too, with a static global
+            scale of 448 * 6 / this value.
+        progress: show a progress bar on rank 0.
+        prepare: build the kernels' fast-path forms (off when the weights are only to be saved).
+    """
+    mode = parse_mode(quantization_mode)
+    device = torch.device(getattr(checkpoint, "device", None) or "cpu")
+    dtype = getattr(checkpoint, "dtype", torch.bfloat16)
+    source = _Source(checkpoint, mode)
+    if mode == QuantizationMode.none:
+        plan = []
+    else:
+        chosen = source.targets if source.targets is not None and targets is None else parse_targets(mode, targets)
+        plan = _plan(model, chosen, mode)
+    fmt = MODE_FORMAT.get(mode)
+    quantize = partial(quantize_weight, fmt=fmt, group_size=group_size, fp8_activation_scale_ub=fp8_activation_scale_ub,
+                       nvfp4_activation_amax=nvfp4_activation_amax)
+    world, rank = checkpoint.world_size, checkpoint.rank
+
+    def to_device(w: QuantizedWeight) -> QuantizedWeight:
+        w = replace(w, **{k: v.to(device) for k, v in tensor_fields(w).items()}, prepared={})
+        if prepare:
+            kernels.prepare(w, device)
+        return w
+
+    def load_quantized(module_path: str, kind: str) -> nn.Module:
+        parts = []
+        for pname, split, transposed in _weights_of(kind):
+            name = f"{module_path}.{pname}"
+            w = source.prequantized(name)
+            if w is None:
+                whole = source.whole(name)
+                if transposed:
+                    whole = whole.transpose(-1, -2)
+                w = quantize(whole.to(torch.bfloat16))
+                del whole
+            parts.append(to_device(slice_weight(w, split, world, rank)))
+        old = model.get_submodule(module_path)
+        if kind == "experts":
+            assert isinstance(old, Experts)
+            return QuantizedExperts(parts[0], parts[1], parts[2])
+        if kind == "ffn":
+            assert isinstance(old, FeedForward)
+            return QuantizedFeedForward(parts[0], parts[1], parts[2], old.do_reduce)
+        return QuantizedLinear(parts[0], "row" if kind == "row" else "column", gather_output=(kind == "output"))
+
+    by_layer: dict[str, list[tuple[str, str]]] = {}
+    for path, kind in plan:
+        key = path.split(".feed_forward")[0].split(".attention")[0] if path.startswith("layers.") else path
+        by_layer.setdefault(key, []).append((path, kind))
+
+    bar = _progress(progress and rank == 0, len(model.layers) + 1, mode)
+    try:
+        units = [f"layers.{i}" for i in range(len(model.layers))] + ["top"]
+        for unit in units:
+            if bar:
+                bar.update(bar.task_ids[0], status=unit)
+            replaced = []
+            for path, kind in by_layer.get(unit if unit != "top" else "output", []):
+                parent, _, attr = path.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, attr, load_quantized(path, kind))
+                replaced.append(path + ".")
+            prefix = unit + "." if unit != "top" else ""
+            for name, param in list(model.named_parameters()):
+                in_unit = name.startswith(prefix) if prefix else not name.startswith("layers.")
+                if not in_unit or not param.is_meta:
+                    continue
+                t = source.rank_part(name)
+                if tuple(t.shape) != tuple(param.shape):
+                    raise CheckpointError(
+                        f"tensor {name!r} has shape {tuple(t.shape)} in the checkpoint but the model expects "
+                        f"{tuple(param.shape)} (params.json does not match the weights)"
+                    )
+                set_tensor(model, name, t.to(device=device, dtype=dtype).contiguous())
+            if bar:
+                bar.advance(bar.task_ids[0])
+    finally:
+        if bar:
+            bar.stop()
+    model.quantization_mode = mode.value
+    return model
+
+
+def _progress(enabled: bool, total: int, mode: QuantizationMode):
+    if not enabled:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    bar = Progress(
+        TextColumn(f"[bold]loading ({mode.value})"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
+        console=Console(stderr=True), transient=True,
+    )
+    bar.add_task("load", total=total, status="")
+    bar.start()
+    return bar

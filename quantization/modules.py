@@ -1,0 +1,59 @@
+"""Modules that replace the core's Experts, FeedForward and parallel linear layers.
+
+They hold kernels' weight containers (not nn.Parameters) and call kernels' fused functions;
+their forward signatures match the modules they replace.
+"""
+
+import torch
+from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_region, reduce_from_model_parallel_region
+from torch import nn
+
+import kernels
+from kernels.formats import QuantizedWeight
+
+
+class QuantizedExperts(nn.Module):
+    """Routed experts; weights in nn.Linear orientation: w1/w3 [E, F, D], w2 [E, D, F]."""
+
+    def __init__(self, w1: QuantizedWeight, w3: QuantizedWeight, w2: QuantizedWeight):
+        super().__init__()
+        self.w1, self.w3, self.w2 = w1, w3, w2
+        self.num_experts = w1.qweight.shape[0] if hasattr(w1, "qweight") else w1.weight.shape[0]
+
+    def forward(self, x_TD: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+        return kernels.grouped_swiglu(x_TD, offsets_E1, self.w1, self.w3, self.w2)
+
+    def extra_repr(self) -> str:
+        return f"{type(self.w1).__name__}, experts={self.num_experts}"
+
+
+class QuantizedFeedForward(nn.Module):
+    """SwiGLU with quantized w1/w3 (column-parallel) and w2 (row-parallel)."""
+
+    def __init__(self, w1: QuantizedWeight, w3: QuantizedWeight, w2: QuantizedWeight, do_reduce: bool):
+        super().__init__()
+        self.w1, self.w3, self.w2, self.do_reduce = w1, w3, w2, do_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = kernels.swiglu(x, self.w1, self.w3, self.w2)
+        return reduce_from_model_parallel_region(out) if self.do_reduce else out
+
+    def extra_repr(self) -> str:
+        return type(self.w1).__name__
+
+
+class QuantizedLinear(nn.Module):
+    """A column- or row-parallel linear layer with a quantized weight."""
+
+    def __init__(self, weight: QuantizedWeight, parallel: str, gather_output: bool = False):
+        super().__init__()
+        self.weight, self.parallel, self.gather_output = weight, parallel, gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = kernels.linear(x, self.weight)
+        if self.parallel == "row":
+            return reduce_from_model_parallel_region(out)
+        return gather_from_model_parallel_region(out) if self.gather_output else out
+
+    def extra_repr(self) -> str:
+        return f"{type(self.weight).__name__}, {self.parallel}-parallel"
