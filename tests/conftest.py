@@ -6,8 +6,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "tests"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from helpers import make_checkpoint  # noqa: E402,F401  (re-exported for test modules)
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -18,15 +21,6 @@ def dist1():
     from llama_lite.distributed import init_distributed
 
     init_distributed(1, "cpu")
-
-
-def make_checkpoint(root: Path, name: str, **kwargs) -> Path:
-    from llama_lite.synthetic import write_random_checkpoint
-
-    path = root / name
-    if not path.exists():
-        write_random_checkpoint(path, **kwargs)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_checkpoint
+from helpers import make_checkpoint
 from llama_lite.checkpoint import Checkpoint
 from llama_lite.generation import Llama4
 

@@ -1,0 +1,32 @@
+"""Run under torchrun (or alone): build each requested mode and save greedy tokens and prefill
+logits from rank 0, so tests can compare world sizes and checkpoint layouts."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import quantization  # noqa: E402
+from llama_lite.distributed import init_distributed  # noqa: E402
+
+
+def main(ckpt: str, out: str, modes: str, world_size: int, targets: str = "") -> None:
+    rank, _ = init_distributed(int(world_size), "cpu")
+    tokens = torch.randint(0, 200000, (2, 12), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for mode in modes.split(","):
+        llama = quantization.build(ckpt, mode, targets=targets or None, max_seq_len=64, max_batch_size=2,
+                                   world_size=int(world_size), progress=False)
+        logits = llama.model(tokens, 0)
+        greedy = llama.generate_tokens([[200000, 10, 20, 30], [200000, 5]], temperature=0, max_gen_len=12,
+                                       stop_tokens=[])
+        results[mode] = {"logits": logits, "greedy": greedy}
+        del llama
+    if rank == 0:
+        torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
