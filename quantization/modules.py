@@ -9,6 +9,7 @@ from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_regi
 from torch import nn
 
 import kernels
+import kernels.formats
 from kernels.formats import QuantizedWeight
 
 
@@ -57,3 +58,25 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{type(self.weight).__name__}, {self.parallel}-parallel"
+
+
+def _logical_numel(w: QuantizedWeight) -> int:
+    packed = getattr(w, "qweight", None)
+    return packed.numel() * 2 if packed is not None else w.weight.numel()
+
+
+def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes stored, bytes the same weights take in bf16) over parameters and quantized weights."""
+    from .sharding import tensor_fields
+
+    stored = bf16 = 0
+    for p in model.parameters():
+        stored += p.numel() * p.element_size()
+        bf16 += p.numel() * 2
+    for module in model.modules():
+        for w in vars(module).values():
+            if isinstance(w, (kernels.formats.Int4Weight, kernels.formats.Fp8Weight, kernels.formats.W4A8Weight,
+                              kernels.formats.NVFP4Weight)):
+                stored += sum(t.numel() * t.element_size() for t in tensor_fields(w).values())
+                bf16 += _logical_numel(w) * 2
+    return stored, bf16
