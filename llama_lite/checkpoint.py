@@ -51,9 +51,13 @@ def load_pth(path: Path, mmap: bool = True) -> dict:
     try:
         obj = torch.load(str(path), map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"refused to load {path}: it is not a plain tensor file ({str(e).splitlines()[0]})") from None
+        # torch's message is a page of advice; the one fact worth a sentence is what the file would run.
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"unpickling it would call {found.group(1)}" if found else "it holds objects other than tensors"
+        raise CheckpointError(f"refused to load {path}: {what}, and only plain tensor files are loaded") from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: it is truncated or not a PyTorch checkpoint ({e})") from None
+        detail = str(e).split(". ")[0].strip()
+        raise CheckpointError(f"cannot read {path}: it is truncated or not a PyTorch checkpoint ({detail})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} does not hold a state dict")
     return obj
@@ -101,7 +105,8 @@ def _meta_shard_index(state: dict, args: ModelArgs, mp: int) -> dict[str, Callab
         prefix, rest = (m.group(1), m.group(2)) if m else ("", key)
         get = lambda k=key: state[k]  # noqa: E731
         if rest == "attention.wqkv.weight":
-            q, kv = args.n_heads // mp * hd, args.n_kv_heads // mp * hd
+            # Rows per shard, not heads per shard: MP may exceed n_kv_heads (a shard then holds part of a head).
+            q, kv = args.n_heads * hd // mp, args.n_kv_heads * hd // mp
             for i, n in enumerate("qkv"):
                 lo = (0, q, q + kv)[i]
                 size = q if n == "q" else kv
@@ -209,6 +214,17 @@ class Checkpoint:
             if set(src) != keys:
                 raise CheckpointError(f"shard {shards[i].name} holds different tensors from {shards[picked[0]].name}")
         self._index = self._sources[0]
+        self._check_shard_count(shards[picked[0]].name, old)
+
+    def _check_shard_count(self, first: str, old: int) -> None:
+        """A checkpoint that lost its last shard(s) looks like a smaller MP size; the vocabulary split tells."""
+        vocab, get = self.args.vocab_size, self._index.get("tok_embeddings.weight")
+        rows = get().shape[0] if get is not None else 0
+        if vocab > 0 and rows and rows * old < vocab and vocab % rows == 0:
+            raise CheckpointError(
+                f"{first} holds 1/{vocab // rows} of the vocabulary, so the checkpoint has {vocab // rows} shards, "
+                f"but only {old} consolidated.NN.pth file(s) are in {self.dir} (consolidated.{old:02d}.pth is missing)"
+            )
 
     def _open_hf(self) -> None:
         from safetensors import SafetensorError, safe_open
@@ -281,6 +297,16 @@ def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
 def load_weights(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16, device=None) -> nn.Module:
     """The default loader: every parameter lands once, in ``dtype`` on ``device``."""
     device = torch.device(device or "cpu")
+    # Layers beyond n_layers mean params.json describes a smaller model; other extra keys are ignored,
+    # as the reference's non-strict load does.
+    n_layers = checkpoint.args.n_layers
+    layer_of = (re.match(r"layers\.(\d+)\.", k) for k in checkpoint.keys())
+    extra = sorted(m.string for m in layer_of if m and int(m.group(1)) >= n_layers)
+    if extra:
+        raise CheckpointError(
+            f"the checkpoint has weights of layers beyond the {n_layers} in its config, e.g. {extra[0]!r} "
+            "(params.json does not match the weights)"
+        )
     for name, param in list(model.named_parameters()):
         t = checkpoint.get(name)
         if tuple(t.shape) != tuple(param.shape):

@@ -2,10 +2,15 @@
 without downloads. Weights are scaled so activations and logits stay O(1) and routing is decisive."""
 
 import json
+import os
+import re
 import shutil
+import struct
 import tempfile
+import zipfile
+import zlib
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -44,20 +49,13 @@ def preset_args(preset: str, **overrides) -> ModelArgs:
     return ModelArgs(**values, moe_args=moe)
 
 
-def random_state_dict(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The whole (unsharded) model under the engine's parameter names, bf16."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
-
-    def norm(n: int) -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
-
+def _groups(args: ModelArgs, rand: Callable[..., torch.Tensor], norm: Callable[[int], torch.Tensor]):
+    """The unsharded model under the engine's names, one group at a time (embeddings, each layer, then
+    the final norm and output), drawn in one fixed order so the values do not depend on the consumer."""
     d, hd = args.dim, args.head_dim
-    sd = {"tok_embeddings.weight": rand(args.vocab_size, d, std=1.0)}
+    yield {"tok_embeddings.weight": rand(args.vocab_size, d, std=1.0)}
     for i in range(args.n_layers):
-        p = f"layers.{i}."
+        p, sd = f"layers.{i}.", {}
         sd[p + "attention.wq.weight"] = rand(args.n_heads * hd, d, std=d**-0.5)
         sd[p + "attention.wk.weight"] = rand(args.n_kv_heads * hd, d, std=d**-0.5)
         sd[p + "attention.wv.weight"] = rand(args.n_kv_heads * hd, d, std=d**-0.5)
@@ -76,9 +74,36 @@ def random_state_dict(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]
         sd[prefix + "w1.weight"] = rand(hidden, d, std=d**-0.5)
         sd[prefix + "w3.weight"] = rand(hidden, d, std=d**-0.5)
         sd[prefix + "w2.weight"] = rand(d, hidden, std=hidden**-0.5 / 2)
-    sd["norm.weight"] = norm(d)
-    sd["output.weight"] = rand(args.vocab_size, d, std=d**-0.5 * 2)
-    return sd
+        yield sd
+    yield {"norm.weight": norm(d), "output.weight": rand(args.vocab_size, d, std=d**-0.5 * 2)}
+
+
+def random_groups(args: ModelArgs, seed: int = 0):
+    """Random bf16 weights, one group (embeddings, a layer, norm + output) at a time."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std: float) -> torch.Tensor:
+        # In place: for the embeddings of large presets a second fp32 temporary would cost gigabytes.
+        return torch.randn(*shape, generator=g).mul_(std).to(torch.bfloat16)
+
+    def norm(n: int) -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    return _groups(args, rand, norm)
+
+
+def shape_groups(args: ModelArgs):
+    """The groups of ``random_groups`` as meta tensors: shapes only, nothing drawn or allocated."""
+
+    def rand(*shape, std: float) -> torch.Tensor:
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    return _groups(args, rand, lambda n: rand(n, std=1.0))
+
+
+def random_state_dict(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) model under the engine's parameter names, bf16."""
+    return {k: v for group in random_groups(args, seed) for k, v in group.items()}
 
 
 def shard_state_dict(sd: dict[str, torch.Tensor], mp: int) -> list[dict[str, torch.Tensor]]:
@@ -204,6 +229,118 @@ def to_hf_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _meta_shard_groups(groups, args: ModelArgs, mp: int):
+    """Each group split into ``mp`` shards under Meta's fused keys: a list of ``mp`` dicts per group."""
+    for group in groups:
+        yield [to_meta_keys(shard, args) for shard in shard_state_dict(group, mp)]
+
+
+def _pwrite_all(fd: int, tensor: torch.Tensor, offset: int) -> int:
+    """Write the tensor's bytes at ``offset``; returns their CRC-32."""
+    data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+    crc = zlib.crc32(data)
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+    return crc
+
+
+def _set_zip_crcs(path: Path, crcs: dict[int, int]) -> None:
+    """Fill in the CRC-32 of records whose bytes were written after torch.save(skip_data) left them
+    out (``crcs``: data offset -> CRC): in each record's data descriptor and its central directory
+    entry, the two places torch's writer puts it. The file then equals what torch.save writes (up to
+    the random serialization id every save carries)."""
+    with zipfile.ZipFile(path) as zf:
+        infos, entry = zf.infolist(), zf.start_dir
+    with open(path, "r+b") as f:
+        for info in infos:  # the central directory lists the records in this order
+            f.seek(entry)
+            head = f.read(46)
+            assert head[:4] == b"PK\x01\x02", f"{path}: unexpected zip layout"
+            f.seek(info.header_offset + 26)
+            data = info.header_offset + 30 + sum(struct.unpack("<HH", f.read(4)))
+            if data in crcs:
+                crc = struct.pack("<I", crcs[data])
+                f.seek(data + info.compress_size)
+                signed = f.read(4) == b"PK\x07\x08"  # the data descriptor's optional signature
+                f.seek(data + info.compress_size + (4 if signed else 0))
+                f.write(crc)
+                f.seek(entry + 16)
+                f.write(crc)
+            entry += 46 + sum(struct.unpack("<HHH", head[28:34]))
+
+
+def _record_offsets(path: Path) -> dict[str, int]:
+    """File offset of each tensor's bytes in a .pth written by torch.save (one storage per tensor).
+
+    torch.load(mmap=True) maps the whole file once, so a storage's address minus the mapping's
+    start is its offset; the start follows from the lowest offset of a data record.
+    """
+    mapped = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    reader = torch._C.PyTorchFileReader(str(path))
+    first = min(reader.get_record_offset(r) for r in reader.get_all_records() if re.fullmatch(r"data/\d+", r))
+    pointers = {k: t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size() for k, t in mapped.items()}
+    base = min(pointers.values()) - first
+    return {k: ptr - base for k, ptr in pointers.items()}
+
+
+def _write_meta(out: Path, args: ModelArgs, seed: int, mp: int, progress: Callable[[int], None]) -> None:
+    """consolidated.NN.pth files written one group at a time, so memory holds one layer, not the model.
+
+    torch.save needs every tensor at once, so each file is first saved with its storages left
+    empty (skip_data), then the random tensors are written into place group by group.
+    """
+    skeletons: list[dict[str, torch.Tensor]] = [{} for _ in range(mp)]
+    for shards in _meta_shard_groups(shape_groups(args), args, mp):
+        for skeleton, shard in zip(skeletons, shards):
+            # CPU tensors from torch.empty: address space only, their pages are never touched.
+            skeleton.update({k: torch.empty(v.shape, dtype=v.dtype) for k, v in shard.items()})
+    paths = [out / f"consolidated.{i:02d}.pth" for i in range(mp)]
+    for path, skeleton in zip(paths, skeletons):
+        with torch.serialization.skip_data():
+            torch.save(skeleton, path)
+    del skeletons
+    offsets = [_record_offsets(p) for p in paths]
+    crcs: list[dict[int, int]] = [{} for _ in range(mp)]
+    fds = [os.open(p, os.O_WRONLY) for p in paths]
+    try:
+        for shards in _meta_shard_groups(random_groups(args, seed), args, mp):
+            for fd, where, crc, shard in zip(fds, offsets, crcs, shards):
+                for name, t in shard.items():
+                    crc[where[name]] = _pwrite_all(fd, t, where[name])
+                    progress(t.numel() * t.element_size())
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for path, crc in zip(paths, crcs):
+        _set_zip_crcs(path, crc)
+
+
+def _write_safetensors(path: Path, args: ModelArgs, seed: int, progress: Callable[[int], None]) -> None:
+    """One model.safetensors written one group at a time: the header (from shapes alone), then the bytes in order."""
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    end = 0
+    for group in shape_groups(args):
+        for name, t in to_hf_keys(group).items():
+            size = t.numel() * t.element_size()
+            header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [end, end + size]}
+            end += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors itself writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for group in random_groups(args, seed):
+            for name, t in to_hf_keys(group).items():
+                f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+                progress(t.numel() * t.element_size())
+
+
+def checkpoint_bytes(args: ModelArgs) -> int:
+    """Bytes of weights a random checkpoint of ``args`` holds (bf16, any MP size)."""
+    return sum(t.numel() * t.element_size() for group in shape_groups(args) for t in group.values())
+
+
 def write_random_checkpoint(
     out_dir,
     preset: str = "tiny",
@@ -212,34 +349,38 @@ def write_random_checkpoint(
     fmt: str = "meta",
     tokenizer_path: Optional[Path] = None,
     overrides: Optional[dict] = None,
+    progress: Optional[Callable[[int], None]] = None,
 ) -> Path:
-    """Write a complete checkpoint folder (weights, params/config, tokenizer.model). Returns its path."""
-    from safetensors.torch import save_file
+    """Write a complete checkpoint folder (weights, params/config, tokenizer.model). Returns its path.
 
+    Weights are generated and written one layer at a time, so memory stays near the size of the
+    largest layer (or the embeddings) whatever the preset. ``progress(n)`` is called after each
+    ``n`` bytes of weights written; ``checkpoint_bytes`` gives the total. The folder is written
+    under a temporary name and renamed when complete; an existing ``out_dir`` is replaced.
+    """
     from .tokenizer import default_tokenizer_path
 
     if fmt not in ("meta", "hf"):
         raise ConfigError(f"unknown checkpoint format {fmt!r}; choose meta or hf")
-    if not isinstance(mp, int) or mp < 1:
+    if not isinstance(mp, int) or isinstance(mp, bool) or mp < 1:
         raise ConfigError(f"mp must be a positive integer, got {mp!r}")
+    if fmt == "hf" and mp != 1:
+        raise ConfigError("the Hugging Face layout is written unsharded (mp=1)")
     args = preset_args(preset, **(overrides or {}))
+    progress = progress or (lambda n: None)
     out = Path(out_dir).expanduser()
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent if out.parent.exists() else None))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
-        sd = random_state_dict(args, seed)
         if fmt == "meta":
             (tmp / "params.json").write_text(json.dumps(args.to_params(), indent=2))
-            for i, shard in enumerate(shard_state_dict(sd, mp)):
-                torch.save(to_meta_keys(shard, args), tmp / f"consolidated.{i:02d}.pth")
+            _write_meta(tmp, args, seed, mp, progress)
         else:
-            if mp != 1:
-                raise ConfigError("the Hugging Face layout is written unsharded (mp=1)")
             (tmp / "config.json").write_text(json.dumps(hf_config(args), indent=2))
-            save_file({k: v.contiguous() for k, v in to_hf_keys(sd).items()}, str(tmp / "model.safetensors"))
+            _write_safetensors(tmp / "model.safetensors", args, seed, progress)
         shutil.copyfile(tokenizer_path or default_tokenizer_path(), tmp / "tokenizer.model")
         if out.exists():
             shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp.rename(out)
     finally:
         if tmp.exists():

@@ -80,11 +80,21 @@ def test_modules_swapped_per_mode(tiny_ckpt, dist1):
 
 @pytest.mark.slow
 def test_tensor_parallel_gives_the_same_tokens(tiny_ckpt, tmp_path):
+    """TP=2 vs TP=1 (both fp32, so only the quantization can differ).
+
+    Weights are quantized whole and sliced, so weight-only formats give the same tokens. Formats
+    that quantize activations per token compute that scale on each rank's slice of a row-parallel
+    layer's input (as Meta's reference and vLLM do under TP): their logits agree closely, but not
+    bit for bit, so greedy tokens may part after a near tie."""
     one = worker_results(tmp_path, tiny_ckpt, ",".join(MODES), 1)
     two = worker_results(tmp_path, tiny_ckpt, ",".join(MODES), 2)
-    for mode in MODES:
+    for mode in ("int4_mixed", "nvfp4"):
         assert two[mode]["greedy"] == one[mode]["greedy"], mode
-        assert (two[mode]["logits"] - one[mode]["logits"]).abs().max().item() <= 0.15, mode
+        assert (two[mode]["logits"] - one[mode]["logits"]).abs().max().item() <= 1e-3, mode
+    for mode in ("fp8_mixed", "w4a8"):
+        a, b = two[mode]["logits"], one[mode]["logits"]
+        assert ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item() <= 0.05, mode
+        assert two[mode]["greedy"][0][:2] == one[mode]["greedy"][0][:2], mode
 
 
 def test_group_size_must_divide(tiny_ckpt, dist1):

@@ -12,13 +12,16 @@ import quantization  # noqa: E402
 from llama_lite.distributed import init_distributed  # noqa: E402
 
 
-def main(ckpt: str, out: str, modes: str, world_size: int, targets: str = "") -> None:
+def main(ckpt: str, out: str, modes: str, world_size: int, targets: str = "", dtype: str = "fp32") -> None:
+    """fp32 by default: bf16 all-reduces round partial sums differently at each world size, so
+    greedy tokens are only comparable across world sizes in fp32."""
     rank, _ = init_distributed(int(world_size), "cpu")
     tokens = torch.randint(0, 200000, (2, 12), generator=torch.Generator().manual_seed(0))
     results = {}
     for mode in modes.split(","):
         llama = quantization.build(ckpt, mode, targets=targets or None, max_seq_len=64, max_batch_size=2,
-                                   world_size=int(world_size), progress=False)
+                                   world_size=int(world_size), progress=False,
+                                   dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
         logits = llama.model(tokens, 0)
         greedy = llama.generate_tokens([[200000, 10, 20, 30], [200000, 5]], temperature=0, max_gen_len=12,
                                        stop_tokens=[])

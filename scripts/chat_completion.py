@@ -1,0 +1,178 @@
+"""Chat with a Llama 4 checkpoint: a few demo dialogs (batched), one message, or an interactive session.
+
+    python -m scripts.chat_completion CKPT                      # the demo dialogs
+    python -m scripts.chat_completion CKPT --prompt "Hi there"  # one user message
+    python -m scripts.chat_completion CKPT --interactive        # multi-turn, streamed
+    torchrun --nproc-per-node 2 -m scripts.chat_completion CKPT --world_size 2 --interactive
+
+In the interactive session an empty line is ignored, `reset` starts a new conversation, and
+`exit` or end of input (Ctrl-D) ends it.
+"""
+
+from typing import Optional
+
+from llama_lite.chat_format import RawMessage
+from llama_lite.errors import PromptError
+from scripts.common import (
+    build_llama,
+    check_flags,
+    FlagError,
+    check_quantization_mode,
+    set_kernels,
+    parse_dtype,
+    path_flag,
+    print_error,
+    read_line,
+    run_cli,
+    speed_line,
+    stream_text,
+    text_flag,
+)
+
+DEMO_DIALOGS: list[list[RawMessage]] = [
+    [RawMessage(role="user", content="What is the recipe of mayonnaise?")],
+    [
+        RawMessage(role="user", content="I am going to Paris, what should I see?"),
+        RawMessage(
+            role="assistant",
+            content="Paris has the Eiffel Tower, the Louvre and Notre-Dame; the Seine's banks are lovely for a walk.",
+            stop_reason="end_of_turn",
+        ),
+        RawMessage(role="user", content="What is so great about #1?"),
+    ],
+    [
+        RawMessage(role="system", content="Always answer with Haiku"),
+        RawMessage(role="user", content="I am going to Paris, what should I see?"),
+    ],
+    [
+        RawMessage(role="system", content="Always answer with emojis"),
+        RawMessage(role="user", content="How to go from Beijing to NY?"),
+    ],
+]
+
+
+def main(
+    checkpoint_dir: str,
+    world_size: Optional[int] = None,
+    max_seq_len: int = 4096,
+    max_batch_size: int = 4,
+    temperature: float = 0.6,
+    top_p: float = 0.9,
+    max_gen_len: Optional[int] = None,
+    quantization_mode: str = "none",
+    prompt: Optional[str] = None,
+    interactive: bool = False,
+    seed: int = 1,
+    tokenizer_path: Optional[str] = None,
+    dtype: str = "bf16",
+    kernels: str = "auto",
+) -> None:
+    """Chat with a Llama 4 model.
+
+    Args:
+        checkpoint_dir: Folder of the checkpoint: Meta's layout (params.json, consolidated.NN.pth) or Hugging
+            Face's (config.json, *.safetensors). Any model-parallel size is resharded to the world size.
+        world_size: Number of model-parallel processes; must equal the number torchrun launched. By default
+            torchrun's WORLD_SIZE, or 1 without torchrun.
+        max_seq_len: Longest conversation in tokens (prompt and reply) the KV cache holds.
+        max_batch_size: Most dialogs generated together; the demo dialogs run in batches of this size.
+        temperature: Sampling temperature; 0 picks the most likely token (greedy).
+        top_p: Nucleus sampling: sample from the most likely tokens whose probabilities add up to top_p, in (0, 1].
+        max_gen_len: Most tokens in one reply (default: until a stop token or max_seq_len).
+        quantization_mode: How weights are held: none (unquantized, as --dtype), int4_mixed, fp8_mixed, w4a8 or nvfp4.
+        prompt: One user message to answer instead of the demo dialogs (with --interactive, the first turn).
+        interactive: Multi-turn chat reading one user message per line from stdin, streaming each reply
+            and its speed; ends on end of input or a line `exit`.
+        seed: Random seed for sampling (the same on every rank, so ranks agree on every token).
+        tokenizer_path: A tokenizer.model to use instead of the checkpoint folder's (or llama-models' copy).
+        dtype: Number format of weights and activations, bf16 or fp32. fp32 takes twice the memory, gives
+            the same greedy tokens at every world size, and is faster on CPUs without bf16 arithmetic.
+        kernels: Compute path of quantized layers: auto (fastest correct one for the device), reference
+            (plain torch), cpu (CPU fast paths) or triton (CUDA GPUs).
+    """
+    ckpt = path_flag("checkpoint_dir", checkpoint_dir)
+    prompt = text_flag("prompt", prompt)
+    mode = check_quantization_mode(quantization_mode)
+    check_flags(world_size=world_size, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, seed=seed)
+    if prompt == "":
+        raise FlagError("--prompt is empty; give the user message to answer")
+    set_kernels(kernels)
+    llama = build_llama(ckpt, mode, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                        world_size=world_size, seed=seed, dtype=parse_dtype(dtype),
+                        tokenizer_path=None if tokenizer_path is None else path_flag("tokenizer_path", tokenizer_path))
+    sampling = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len)
+    if interactive:
+        chat_loop(llama, sampling, first=prompt)
+    elif prompt is not None:
+        stream_text(llama, llama.chat_completion([[RawMessage(role="user", content=prompt)]], **sampling))
+        print()
+    else:
+        run_demo(llama, DEMO_DIALOGS, sampling)
+
+
+def run_demo(llama, dialogs: list[list[RawMessage]], sampling: dict) -> None:
+    """Answer ``dialogs`` in batches of max_batch_size and print each with its reply."""
+    size = llama.args.max_batch_size
+    for lo in range(0, len(dialogs), size):
+        batch = dialogs[lo : lo + size]
+        for dialog, reply in zip(batch, reply_all(llama, batch, sampling)):
+            for message in dialog:
+                print(f"{message.role.capitalize()}: {message.content}")
+            print(f"> Assistant: {reply.content}")
+            for call in reply.tool_calls:
+                print(f"> Tool call: {call.tool_name}({call.arguments})")
+            print("\n" + "=" * 60 + "\n")
+
+
+def reply_all(llama, dialogs: list[list[RawMessage]], sampling: dict) -> list[RawMessage]:
+    """The assistant's reply to each dialog, generated as one batch."""
+    stops = set(llama.tokenizer.stop_tokens)
+    tokens: list[list[int]] = [[] for _ in dialogs]
+    reasons = ["out_of_tokens"] * len(dialogs)
+    for step in llama.chat_completion(dialogs, **sampling):
+        for r in step:
+            if r.source != "output" or r.ignore_token:
+                continue
+            if r.token in stops:
+                reasons[r.batch_idx] = "end_of_message" if r.token == llama.tokenizer.eom_id else "end_of_turn"
+            else:
+                tokens[r.batch_idx].append(r.token)
+    return [llama.formatter.decode_assistant_message(t, reason) for t, reason in zip(tokens, reasons)]
+
+
+def chat_loop(llama, sampling: dict, first: Optional[str] = None) -> None:
+    """Multi-turn chat on stdin. Every rank runs it: rank 0 reads each line and broadcasts it."""
+    dialog: list[RawMessage] = []
+    pending = first
+    while True:
+        line, pending = (pending, None) if pending is not None else (read_line("user> "), None)
+        if line is None:  # end of input
+            print()
+            return
+        text = line.strip()
+        if text == "exit":
+            return
+        if not text:
+            continue
+        if text == "reset":
+            dialog = []
+            print("(new conversation)")
+            continue
+        dialog.append(RawMessage(role="user", content=text))
+        print("assistant> ", end="", flush=True)
+        try:
+            tokens, reason, seconds = stream_text(llama, llama.chat_completion([dialog], **sampling))
+        except PromptError as e:
+            # Keep the session: drop the turn that does not fit and let the user go on or reset.
+            dialog.pop()
+            print()
+            print_error(f"{e} (type 'reset' to start a new conversation)")
+            continue
+        print()
+        print(speed_line(len(tokens), seconds), flush=True)
+        dialog.append(llama.formatter.decode_assistant_message(tokens, reason))
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,120 @@
+"""The command-line scripts, run as a user runs them: output, exit status, interactive mode, help."""
+
+import inspect
+import io
+import re
+from typing import Optional
+
+import fire
+
+import pytest
+
+from llama_lite.chat_format import RawMessage
+from scripts import chat_completion, completion, random_checkpoint
+from scripts.common import FlagError, check_flag_names, quote_text_flags, stream_text
+
+
+def expected_text(llama, steps) -> str:
+    out = io.StringIO()
+    tokens, _, _ = stream_text(llama, steps, out=out)
+    assert tokens, "the model stopped at once; pick another prompt"
+    return out.getvalue()
+
+
+def assert_clean(result) -> None:
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_completion_prints_only_the_new_text(run_script, tiny_ckpt, tiny_llama):
+    prompt = "The capital of France is"
+    want = expected_text(tiny_llama, tiny_llama.completion([prompt], temperature=0, max_gen_len=6))
+    got = run_script("scripts.completion", tiny_ckpt, "--prompt", prompt, "--max_gen_len", 6, "--temperature", 0)
+    assert_clean(got)
+    assert got.stdout == want + "\n"
+    assert prompt not in got.stdout
+
+
+def test_chat_completion_answers_one_prompt(run_script, tiny_ckpt, tiny_llama):
+    question = "Hi, what is 2 + 2?"  # the comma: fire alone would pass a tuple
+    dialog = [RawMessage(role="user", content=question)]
+    want = expected_text(tiny_llama, tiny_llama.chat_completion([dialog], temperature=0, max_gen_len=6))
+    got = run_script("scripts.chat_completion", tiny_ckpt, "--prompt", question, "--max_gen_len", 6,
+                     "--temperature", 0)
+    assert_clean(got)
+    assert got.stdout == want + "\n"
+
+
+def test_chat_completion_demo_dialogs_run_in_batches(run_script, tiny_ckpt):
+    """Four demo dialogs in batches of 3: a full batch, then one of a single dialog."""
+    got = run_script("scripts.chat_completion", tiny_ckpt, "--max_gen_len", 3, "--max_batch_size", 3,
+                     "--max_seq_len", 256)
+    assert_clean(got)
+    assert got.stdout.count("> Assistant:") == len(chat_completion.DEMO_DIALOGS) == 4
+    assert "User: What is the recipe of mayonnaise?" in got.stdout
+    assert "System: Always answer with Haiku" in got.stdout
+
+
+def test_interactive_chat_streams_replies_and_exits(run_script, tiny_ckpt):
+    got = run_script("scripts.chat_completion", tiny_ckpt, "--interactive", "--max_gen_len", 4, "--temperature", 0,
+                     stdin="hi\n\nreset\nhello again\nexit\nnever read\n")
+    assert_clean(got)
+    assert len(re.findall(r"\[\d+ tokens in [\d.]+ s, [\d.]+ tokens/s\]", got.stdout)) == 2
+    assert got.stdout.count("assistant> ") == 2
+    assert "(new conversation)" in got.stdout
+
+
+def test_interactive_chat_ends_at_end_of_input(run_script, tiny_ckpt):
+    got = run_script("scripts.chat_completion", tiny_ckpt, "--interactive", "--max_gen_len", 3, stdin="hi\n")
+    assert_clean(got)
+    assert "tokens/s" in got.stdout
+
+
+def test_random_checkpoint_refuses_an_existing_folder_without_force(run_script, tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    refused = run_script("scripts.random_checkpoint", out, "--preset", "tiny")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().startswith("error:") and "already exists" in refused.stderr
+    assert "--force" in refused.stderr and "Traceback" not in refused.stderr
+    assert (out / "keep.txt").read_text() == "mine"
+
+    forced = run_script("scripts.random_checkpoint", out, "--preset", "tiny", "--mp", 2, "--seed", 3, "--force")
+    assert_clean(forced)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "consolidated.00.pth", "consolidated.01.pth", "params.json", "tokenizer.model"]
+    assert "wrote" in forced.stdout
+
+
+@pytest.mark.parametrize("module", [chat_completion, completion, random_checkpoint], ids=lambda m: m.__name__)
+def test_every_flag_has_help_text(module):
+    """fire shows the docstring's Args: section as each flag's help."""
+    doc = inspect.getdoc(module.main)
+    documented = set(re.findall(r"^    (\w+): \S", doc.split("Args:", 1)[1], flags=re.M))
+    assert documented == set(inspect.signature(module.main).parameters)
+
+
+def test_quantization_mode_is_accepted_by_both_chat_scripts():
+    for module in (chat_completion, completion):
+        assert inspect.signature(module.main).parameters["quantization_mode"].default == "none"
+
+
+def test_misspelt_flags_are_refused_before_running():
+    check_flag_names(completion.main, ["ckpt", "--prompt", "x", "--max-gen-len=3", "--temperature", "-1"])
+    check_flag_names(chat_completion.main, ["ckpt", "--nointeractive", "--", "--help"])
+    with pytest.raises(FlagError, match="--max_gen"):
+        check_flag_names(completion.main, ["ckpt", "--max_gen", "3"])
+
+
+@pytest.mark.parametrize("text", ["hello, world", "1e3", "None", "[1, 2]", "True", "it's \"quoted\"", "-- not a flag"])
+def test_text_flags_reach_main_as_typed(text):
+    got = {}
+
+    def main(prompt: Optional[str] = None, n: int = 1, temperature: float = 0.6) -> None:
+        got.update(prompt=prompt, n=n, temperature=temperature)
+
+    for argv in (["--prompt", text, "--n", "3", "--temperature", "0"], [f"--prompt={text}", "--n=3", "--temperature=0"]):
+        got.clear()
+        fire.Fire(main, quote_text_flags(main, argv))
+        assert got == {"prompt": text, "n": 3, "temperature": 0}
