@@ -1,0 +1,33 @@
+"""Fused compute for llama-lite: linear / grouped (MoE) / SwiGLU kernels for every weight format.
+
+    from kernels import linear, grouped_linear, grouped_swiglu, swiglu, prepare, set_backend
+
+Weights are ``kernels.formats`` containers (``Int4Weight``, ``Fp8Weight``, ``W4A8Weight``,
+``NVFP4Weight``) or plain tensors. ``kernels.reference`` defines the numerics; ``kernels.cpu`` and
+``kernels.triton_kernels`` are the fast paths, chosen by ``kernels.dispatch``.
+"""
+
+from .dispatch import BACKENDS, get_backend, grouped_linear, grouped_swiglu, linear, prepare, set_backend, swiglu
+from .formats import (
+    Fp8Weight,
+    Int4Weight,
+    NVFP4Weight,
+    QuantizedWeight,
+    W4A8Weight,
+    dequantize_weight,
+    format_name,
+    pack_fp4,
+    pack_int4,
+    select_expert,
+    unpack_fp4,
+    unpack_int4,
+    weight_shape,
+)
+
+__all__ = [
+    "BACKENDS", "get_backend", "set_backend", "prepare",
+    "linear", "grouped_linear", "grouped_swiglu", "swiglu",
+    "Int4Weight", "Fp8Weight", "W4A8Weight", "NVFP4Weight", "QuantizedWeight",
+    "dequantize_weight", "format_name", "weight_shape", "select_expert",
+    "pack_int4", "unpack_int4", "pack_fp4", "unpack_fp4",
+]  # fmt: skip

@@ -58,7 +58,7 @@ def test_stored_dtypes_are_real(tiny_mp2, tmp_path):
 def test_int4_loads_at_other_world_sizes(ckpt_root, tmp_path):
     """MP=4 -> 1 process and MP=1 -> 2 ranks give the same greedy tokens."""
     src = make_checkpoint(ckpt_root, "tiny-mp1-kv4", preset="tiny", mp=1, seed=4,
-                          overrides=dict(n_heads=4, n_kv_heads=4))
+                          overrides=dict(n_heads=4, n_kv_heads=4, multiple_of=512))  # 4-way K splits keep whole groups
     for nproc in (4, 1):
         assert quantize(src, tmp_path / f"int4-mp{nproc}", "int4_mixed", nproc).returncode == 0
     base = worker_results(tmp_path, src, "int4_mixed", 1)["int4_mixed"]["greedy"]

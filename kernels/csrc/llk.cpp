@@ -1,0 +1,887 @@
+// llama-lite CPU kernels: fused dequantize + GEMM for int4 / fp8 / w4a8 / nvfp4 weights.
+//
+// Plain C ABI over raw pointers, loaded with ctypes (no torch headers: a few seconds to build).
+// Needs AVX-512 F/BW/VL/DQ + AVX512_BF16 + AVX512_VBMI; AMX-BF16 when present. Python checks
+// the CPU before loading and picks the path; every function here trusts its arguments.
+//
+// Three ways to multiply, chosen per expert by the number of activation rows (see cpu.py):
+//  * gemv_*   (1-2 rows, decode): weights decoded straight to fp32 in registers and fed to FMAs.
+//    On the Xeons we measured, vdpbf16ps runs at half the MAC rate of fp32 FMA, so fp32 it is.
+//  * amx_*    (more rows): 32 weight rows x 128-256 K values at a time are decoded to bf16
+//    (exact for every format) into an L1 buffer, then AMX multiplies them with every 16-row
+//    slice of the activations. Group scales that do not fold exactly into bf16 (int4) are
+//    applied to the fp32 partial sum of each group ("flush"); w4a8's int4 x e4m3 and nvfp4's
+//    e2m1 x e4m3 products are exact in bf16 and fold into the decoded weights.
+//  * dequant_bf16 (no AMX, many rows): expand weight tiles to bf16 for a oneDNN GEMM.
+//
+// The weight bytes are used exactly as stored (no repacked copy). The decode of a block yields
+// values in a fixed order that is not K order; the activations are permuted to match once per
+// call (M x K, cheap) instead of shuffling weights (N x K) on every call. cpu.py computes the
+// two orders ("gemv" and "tile") from the descriptions next to the decoders below.
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+enum WeightFormat { W_INT4 = 0, W_FP4 = 1, W_FP8 = 2 };
+enum ScaleFormat { S_NONE = 0, S_BF16 = 1, S_F32 = 2, S_E4M3 = 3 };
+
+// One expert-stacked weight: out[m, n] = sum_k x[m, k] * W_e[n, k] * groupscale[e, n, k / gs]
+// * alpha[e] * rowscale[e, n] (* tokscale[m]).
+struct LlkWeight {
+    const uint8_t* w;       // [E, N, row_bytes]
+    int64_t w_estride;      // bytes between experts
+    int64_t w_ldn;          // bytes between rows
+    const void* s;          // group scales [E, N, K / gs] (S_NONE: unused)
+    int64_t s_estride;      // elements
+    int64_t s_ldn;          // elements
+    const float* rowscale;  // [E, N] or null
+    int64_t r_estride;      // elements
+    const float* alpha;     // [E] or null
+};
+
+struct LlkArgs {
+    int32_t wfmt, sfmt, gs, nthreads;
+    int64_t N, K, E;
+    const int64_t* row_start;  // [E]: rows [row_start[e], row_end[e]) of x go to expert e
+    const int64_t* row_end;    // [E]; an expert without rows costs nothing
+    const void* x;             // gemv: fp32 [rows, ldx] in gemv order; amx: bf16 in tile order
+    int64_t ldx;               // elements
+    const float* tokscale;     // [rows] or null
+    float* out;                // [rows, ldo] fp32
+    int64_t ldo;
+    LlkWeight w1;
+    LlkWeight w3;              // SwiGLU: w3.w != null and out = silu(x W1^T) * (x W3^T)
+};
+
+// ------------------------------------------------------------------------------------------
+// tables
+
+static float e4m3_value(int b) {
+    const int e = (b >> 3) & 0xF, m = b & 7;
+    float v;
+    if (e == 15 && m == 7) v = NAN;
+    else if (e == 0) v = std::ldexp((float)m, -9);
+    else v = std::ldexp(1.0f + m / 8.0f, e - 7);
+    return (b & 0x80) ? -v : v;
+}
+
+static uint16_t bf16_bits(float f) {  // exact for every value used in the tables
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+
+struct Tables {
+    __m512 int4_f32;                           // nibble -> fp32 (vpermps uses the low 4 index bits)
+    __m512i int4_bf16;                         // 5-bit index -> bf16 int4 value (vpermw; duplicated)
+    __m512i fp8_hi[2], fp8_lo[2];              // 7-bit magnitude -> high/low byte of bf16 (vpermi2b)
+    float e4m3[256];
+    alignas(64) uint16_t fp4_times_e4m3[256][16];  // bf16(e2m1 value n * e4m3 code c) at [c][n], exact
+    alignas(64) float fp4_times_e4m3_f32[256][16];  // the same products in fp32
+};
+
+static Tables make_tables() {
+    static const float fp4[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    alignas(64) float i4f[16], f4f[16];
+    alignas(64) uint16_t i4b[32];
+    alignas(64) uint8_t f8h[128], f8l[128];
+    for (int n = 0; n < 16; n++) {
+        i4f[n] = (float)(n < 8 ? n : n - 16);
+        f4f[n] = n < 8 ? fp4[n] : -fp4[n - 8];
+    }
+    for (int n = 0; n < 32; n++) i4b[n] = bf16_bits(i4f[n % 16]);
+    for (int b = 0; b < 128; b++) {
+        const uint16_t v = bf16_bits(e4m3_value(b));
+        f8h[b] = v >> 8;
+        f8l[b] = v & 0xFF;
+    }
+    Tables t;
+    t.int4_f32 = _mm512_load_ps(i4f);
+    t.int4_bf16 = _mm512_load_si512(i4b);
+    for (int i = 0; i < 2; i++) {
+        t.fp8_hi[i] = _mm512_load_si512(f8h + 64 * i);
+        t.fp8_lo[i] = _mm512_load_si512(f8l + 64 * i);
+    }
+    for (int b = 0; b < 256; b++) t.e4m3[b] = e4m3_value(b);
+    for (int c = 0; c < 256; c++)
+        for (int n = 0; n < 16; n++) {
+            t.fp4_times_e4m3[c][n] = bf16_bits(f4f[n] * e4m3_value(c));
+            t.fp4_times_e4m3_f32[c][n] = f4f[n] * e4m3_value(c);
+        }
+    return t;
+}
+
+static const Tables& tables() {
+    static const Tables t = make_tables();
+    return t;
+}
+
+static inline __mmask64 mask64(int64_t n) {
+    return n >= 64 ? ~(__mmask64)0 : n <= 0 ? 0 : (((__mmask64)1 << n) - 1);
+}
+static inline __mmask16 mask16(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
+template <int SF>
+static inline float scale_at(const void* s, int64_t i, const Tables& t) {
+    if (SF == S_BF16) {
+        const uint32_t u = (uint32_t)((const uint16_t*)s)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    if (SF == S_F32) return ((const float*)s)[i];
+    if (SF == S_E4M3) return t.e4m3[((const uint8_t*)s)[i]];
+    return 1.0f;
+}
+
+// Up to 16 consecutive e4m3 scales -> fp32 lanes 0..count-1. e4m3 -> fp16 bits (sign to bit 15,
+// exponent and mantissa shifted into place) is the value times 2^-8, subnormals included;
+// vcvtph2ps is exact and * 256 restores the value.
+static inline __m512 load_e4m3(const uint8_t* s, int count) {
+    const __m128i b = _mm_maskz_loadu_epi8((__mmask16)((1u << count) - 1), s);
+    const __m256i w = _mm256_cvtepu8_epi16(b);
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
+// Up to 16 consecutive scales from index i -> fp32 lanes 0..count-1.
+template <int SF>
+static inline __m512 load_scales16(const void* s, int64_t i, int count) {
+    if (SF == S_F32) return _mm512_maskz_loadu_ps(mask16(count), (const float*)s + i);
+    if (SF == S_BF16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask16(count), (const uint16_t*)s + i)), 16));
+    return load_e4m3((const uint8_t*)s + i, count);
+}
+
+// Software prefetch distance along a weight row (bytes): the hardware prefetcher alone left a
+// single-stream GEMV at ~half the memory bandwidth; 4 KiB ahead measured best (2-8 KiB similar).
+static const int kPrefetch = 4096;
+static inline void prefetch(const uint8_t* p) { _mm_prefetch((const char*)p + kPrefetch, _MM_HINT_T0); }
+
+
+// ------------------------------------------------------------------------------------------
+// decoders to bf16 ("tile" order)
+//
+// 4-bit: per 16 bytes c (32 values), word j holds K position 32c + 4 (j % 8) + j / 8: the chunk
+//   is broadcast to the four 128-bit lanes, each 16-bit word shifted right by 4 (j / 8)
+//   (vpsrlvw) so its low 4 bits are one nibble, and vpermw looks that up in a 32-word table.
+//   Bit 4 of the index selects the table half: unscaled int4 duplicates the table (no masking
+//   needed); scaled tables put the scale of K [0, 16) of the chunk in the low half and of
+//   [16, 32) in the high half (nvfp4's 16-value groups).
+// fp8:   z[j] word 8L+t holds K position 16L+8j+t (of the 64-value block).
+
+static inline __m512i nibble_words(const uint8_t* p, int64_t rem) {
+    const __m512i shifts = _mm512_set_epi16(12, 12, 12, 12, 12, 12, 12, 12, 8, 8, 8, 8, 8, 8, 8, 8,
+                                            4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m128i v = rem >= 16 ? _mm_loadu_si128((const __m128i*)p) : _mm_maskz_loadu_epi8(mask16(rem), p);
+    return _mm512_srlv_epi16(_mm512_broadcast_i32x4(v), shifts);
+}
+
+// K [16, 32) of a chunk: word lanes with j % 8 >= 4
+static inline __m512i upper_half_bit() {
+    return _mm512_set_epi16(16, 16, 16, 16, 0, 0, 0, 0, 16, 16, 16, 16, 0, 0, 0, 0,
+                            16, 16, 16, 16, 0, 0, 0, 0, 16, 16, 16, 16, 0, 0, 0, 0);
+}
+
+static inline void decode8_bf16(const uint8_t* p, __mmask64 mask, const Tables& t, __m512i z[2]) {
+    const __m512i b = _mm512_maskz_loadu_epi8(mask, p);
+    __m512i h = _mm512_permutex2var_epi8(t.fp8_hi[0], b, t.fp8_hi[1]);  // uses the low 7 bits
+    const __m512i l = _mm512_permutex2var_epi8(t.fp8_lo[0], b, t.fp8_lo[1]);
+    h = _mm512_ternarylogic_epi32(h, b, _mm512_set1_epi8((char)0x80), 0xF8);  // h | (b & 0x80)
+    z[0] = _mm512_unpacklo_epi8(l, h);
+    z[1] = _mm512_unpackhi_epi8(l, h);
+}
+
+// One 64-byte block (128 values) of a 4-bit row -> 4 x 32 bf16 in tile order.
+// SCALED: multiply the group scales in (exact for nvfp4: e2m1 x e4m3 has <= 6 significant bits;
+// rounded to bf16 for int4, which only the no-AMX prefill path does).
+template <int WF, int SF, bool SCALED>
+static inline void decode4_block(const uint8_t* p, int64_t rem, const void* srow, int64_t blk, int gs,
+                                 int64_t ngroups, const Tables& t, __m512i z[4]) {
+    if (WF == W_FP4) {
+        // 16-value groups: chunk c covers groups 8 blk + 2c and 2c + 1. The 32-word table is the
+        // two groups' rows of the exact e2m1 x e4m3 product table, picked by their scale codes.
+        const uint8_t* s8 = (const uint8_t*)srow;
+        const __m512i gbit = upper_half_bit(), low4 = _mm512_set1_epi16(0x0F);
+        for (int c = 0; c < 4; c++) {
+            // groups past K (padding of the last block) hold zero weights: any valid scale will do
+            const int64_t ga = std::min<int64_t>(8 * blk + 2 * c, ngroups - 1);
+            const int64_t gb = std::min<int64_t>(8 * blk + 2 * c + 1, ngroups - 1);
+            const __m512i table = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)t.fp4_times_e4m3[s8[ga]])),
+                _mm256_load_si256((const __m256i*)t.fp4_times_e4m3[s8[gb]]), 1);
+            const __m512i idx = _mm512_ternarylogic_epi32(nibble_words(p + 16 * c, rem - 16 * c), low4, gbit, 0xEA);
+            z[c] = _mm512_permutexvar_epi16(idx, table);
+        }
+        return;
+    }
+    __m512i table = t.int4_bf16;
+    for (int c = 0; c < 4; c++) {
+        if (SCALED && (c == 0 || gs < 128)) {  // one scale per chunk (gs 32, 64) or per block
+            const float sc = scale_at<SF>(srow, std::min<int64_t>((128 * blk + 32 * c) / gs, ngroups - 1), t);
+            const __m512 v = _mm512_mul_ps(t.int4_f32, _mm512_set1_ps(sc));
+            table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+        }
+        z[c] = _mm512_permutexvar_epi16(nibble_words(p + 16 * c, rem - 16 * c), table);
+    }
+}
+
+// Decode `nrows` weight rows of expert e, starting at row n0, to bf16 rows of `ld` elements (tile
+// order, K padded with zeros).
+template <int WF, int SF, bool SCALED>
+static void decode_rows_bf16(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n0, int64_t nrows, uint16_t* out,
+                             int64_t ld, const Tables& t) {
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int64_t nblk = (row_bytes + 63) / 64;
+    const int64_t ngroups = a.gs > 0 ? a.K / a.gs : 0;
+    const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t n = n0 + r;
+        uint16_t* o = out + r * ld;
+        if (n >= a.N) {  // pad rows of the last tile
+            memset(o, 0, ld * 2);
+            continue;
+        }
+        const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
+        const void* srow = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+        for (int64_t blk = 0; blk < nblk; blk++) {
+            if (WF == W_FP8) {
+                __m512i z[2];
+                decode8_bf16(wrow + 64 * blk, mask64(row_bytes - 64 * blk), t, z);
+                _mm512_storeu_si512(o + 64 * blk, z[0]);
+                _mm512_storeu_si512(o + 64 * blk + 32, z[1]);
+                continue;
+            }
+            __m512i z[4];
+            decode4_block<WF, SF, SCALED>(wrow + 64 * blk, row_bytes - 64 * blk, srow, blk, a.gs, ngroups, t, z);
+            for (int j = 0; j < 4; j++) _mm512_storeu_si512(o + 128 * blk + 32 * j, z[j]);
+        }
+        const int64_t done = nblk * (WF == W_FP8 ? 64 : 128);
+        if (done < ld) memset(o + done, 0, (ld - done) * 2);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// GEMV path: fp32 FMAs, weights decoded straight to fp32 ("gemv" order)
+//
+// 4-bit: per 16 bytes c (32 values): lo[i] = K 32c + 2 b(i), hi[i] = K 32c + 2 b(i) + 1 with
+//        b(i) = 4 (i % 4) + i / 4 (the byte that lane i shifts down; see gemv_row).
+// fp8:   per 64 bytes: z[j] split into even words (<< 16) and odd words (& 0xFFFF0000):
+//        vectors z0.even, z0.odd, z1.even, z1.odd; word w of z[j] is K 16(w/8) + 8j + w%8.
+
+static inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// One weight row against MR activation rows -> res[m] (before alpha/rowscale/tokscale).
+template <int WF, int SF, int MR>
+static inline void gemv_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, const float* x,
+                            const Tables& t, float res[MR]) {
+    const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
+    const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
+    const void* srow = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+    __m512 acc[MR][4];
+    for (int m = 0; m < MR; m++)
+        for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+
+    // 4-bit: each 16-byte chunk is broadcast to the 4 lanes; dword lane i shifts byte
+    // b(i) = 4 (i % 4) + i / 4 down (vpsrlvd, off the shuffle port); vpermps reads the low 4 bits.
+    const __m512i shift_lo = _mm512_set_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
+    const __m512i shift_hi = _mm512_add_epi32(shift_lo, _mm512_set1_epi32(4));
+    if (WF == W_FP8) {
+        const int64_t nblk = (a.K + 63) / 64;
+        for (int64_t blk = 0; blk < nblk; blk++) {
+            __m512i z[2];
+            prefetch(wrow + 64 * blk);
+            decode8_bf16(wrow + 64 * blk, mask64(a.K - 64 * blk), t, z);
+            const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000);
+            const __m512 v[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(z[0], 16)),
+                                 _mm512_castsi512_ps(_mm512_and_si512(z[0], hi_mask)),
+                                 _mm512_castsi512_ps(_mm512_slli_epi32(z[1], 16)),
+                                 _mm512_castsi512_ps(_mm512_and_si512(z[1], hi_mask))};
+            for (int m = 0; m < MR; m++) {
+                const float* xb = x + m * a.ldx + 64 * blk;
+                for (int j = 0; j < 4; j++) acc[m][j] = _mm512_fmadd_ps(v[j], _mm512_loadu_ps(xb + 16 * j), acc[m][j]);
+            }
+        }
+    } else if (WF == W_FP4) {
+        // nvfp4, 16 values per scale: lane i holds byte b(i) = 4 (i % 4) + i / 4 of the chunk, so
+        // lanes with i % 4 < 2 are group 2c and the others group 2c + 1. Each group's 16 values
+        // times its scale come from the exact product table row of its scale code; vpermt2ps picks
+        // between the two rows with index bit 4.
+        const int64_t row_bytes = a.K / 2, nchunk = (row_bytes + 15) / 16;
+        const int64_t ngroups = a.K / 16;
+        const __m512i gbit = _mm512_set_epi32(16, 16, 0, 0, 16, 16, 0, 0, 16, 16, 0, 0, 16, 16, 0, 0);
+        const __m512i low4 = _mm512_set1_epi32(0x0F);
+        const uint8_t* s8 = (const uint8_t*)srow;
+        auto step = [&](int64_t c, auto J) {
+            constexpr int j = decltype(J)::value;
+            const __m512i bytes = row_bytes - 16 * c >= 16
+                ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(wrow + 16 * c)))
+                : _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8(mask16(row_bytes - 16 * c), wrow + 16 * c));
+            const __m512 ta = _mm512_load_ps(t.fp4_times_e4m3_f32[s8[2 * c]]);
+            const __m512 tb = _mm512_load_ps(t.fp4_times_e4m3_f32[s8[std::min<int64_t>(2 * c + 1, ngroups - 1)]]);
+            const __m512i ilo = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(bytes, shift_lo), low4, gbit, 0xEA);
+            const __m512i ihi = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(bytes, shift_hi), low4, gbit, 0xEA);
+            const __m512 lo = _mm512_permutex2var_ps(ta, ilo, tb);
+            const __m512 hi = _mm512_permutex2var_ps(ta, ihi, tb);
+            for (int m = 0; m < MR; m++) {
+                const float* xb = x + m * a.ldx + 32 * c;
+                acc[m][j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[m][j]);
+                acc[m][j + 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[m][j + 1]);
+            }
+        };
+        int64_t c = 0;
+        for (; c + 1 < nchunk; c += 2) {
+            prefetch(wrow + 16 * c);
+            step(c, std::integral_constant<int, 0>{});
+            step(c + 1, std::integral_constant<int, 2>{});
+        }
+        if (c < nchunk) step(c, std::integral_constant<int, 0>{});
+    } else {
+        // int4 / w4a8: the group scale is folded into the 16-entry table (q * s, as the reference)
+        const int64_t row_bytes = a.K / 2, nchunk = row_bytes / 16;  // K % 32 == 0 here
+        const int cpg = a.gs / 32;  // chunks per group
+        auto step = [&](int64_t c, __m512 lut, auto J) {
+            constexpr int j = decltype(J)::value;
+            const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(wrow + 16 * c)));
+            const __m512 lo = _mm512_permutexvar_ps(_mm512_srlv_epi32(bytes, shift_lo), lut);
+            const __m512 hi = _mm512_permutexvar_ps(_mm512_srlv_epi32(bytes, shift_hi), lut);
+            for (int m = 0; m < MR; m++) {
+                const float* xb = x + m * a.ldx + 32 * c;
+                acc[m][j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[m][j]);
+                acc[m][j + 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[m][j + 1]);
+            }
+        };
+        if (MR == 1 && cpg % 4 == 0) {
+            // batch 1, group size a multiple of 128 (the common case): 16 scales converted per load,
+            // one lane broadcast (vpermps) per group, four chunks per loop with fixed accumulators
+            const int64_t ngroups = a.K / a.gs;
+            __m512 sv = _mm512_setzero_ps();
+            for (int64_t g = 0; g < ngroups; g++) {
+                if ((g & 15) == 0) sv = load_scales16<SF>(srow, g, (int)std::min<int64_t>(16, ngroups - g));
+                const __m512 lut = _mm512_mul_ps(t.int4_f32, _mm512_permutexvar_ps(_mm512_set1_epi32((int)(g & 15)), sv));
+                for (int64_t c = g * cpg; c < (g + 1) * cpg; c += 4) {
+                    prefetch(wrow + 16 * c);
+                    step(c, lut, std::integral_constant<int, 0>{});
+                    step(c + 1, lut, std::integral_constant<int, 2>{});
+                    step(c + 2, lut, std::integral_constant<int, 0>{});
+                    step(c + 3, lut, std::integral_constant<int, 2>{});
+                }
+            }
+            goto reduce;
+        }
+        auto lut_at = [&](int64_t c) { return _mm512_mul_ps(t.int4_f32, _mm512_set1_ps(scale_at<SF>(srow, c / cpg, t))); };
+        __m512 lut = _mm512_setzero_ps();
+        int64_t next = 0;  // first chunk of the next group
+        int64_t c = 0;
+        for (; c + 1 < nchunk; c += 2) {
+            prefetch(wrow + 16 * c);
+            if (c == next) lut = lut_at(c), next += cpg;
+            step(c, lut, std::integral_constant<int, 0>{});
+            if (c + 1 == next) lut = lut_at(c + 1), next += cpg;
+            step(c + 1, lut, std::integral_constant<int, 2>{});
+        }
+        if (c < nchunk) {
+            if (c == next) lut = lut_at(c);
+            step(c, lut, std::integral_constant<int, 0>{});
+        }
+    }
+reduce:
+    for (int m = 0; m < MR; m++)
+        res[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+}
+
+static inline float factor(const LlkWeight& w, int64_t e, int64_t n) {
+    return (w.alpha ? w.alpha[e] : 1.0f) * (w.rowscale ? w.rowscale[e * w.r_estride + n] : 1.0f);
+}
+
+template <int WF, int SF, int MR>
+static void gemv_tile(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, int64_t r0, const Tables& t) {
+    const float* x = (const float*)a.x + r0 * a.ldx;
+    const bool swiglu = a.w3.w != nullptr;
+    for (int64_t n = n0; n < n1; n++) {
+        float r1[MR], r3[MR];
+        gemv_row<WF, SF, MR>(a, a.w1, e, n, x, t, r1);
+        const float f1 = factor(a.w1, e, n);
+        if (swiglu) gemv_row<WF, SF, MR>(a, a.w3, e, n, x, t, r3);
+        const float f3 = swiglu ? factor(a.w3, e, n) : 0.0f;
+        for (int m = 0; m < MR; m++) {
+            const float ts = a.tokscale ? a.tokscale[r0 + m] : 1.0f;
+            float v = r1[m] * f1 * ts;
+            if (swiglu) v = silu(v) * (r3[m] * f3 * ts);
+            a.out[(r0 + m) * a.ldo + n] = v;
+        }
+    }
+}
+
+static const int kGemvRows = 4;  // activation rows per register tile
+static const int kGemvTileN = 16;
+
+// Threads worth waking for `bytes` of weights: a fork/join costs little on an idle machine, but
+// on a loaded one the second thread may wait a whole scheduler slice (~10 ms) to run, so small
+// jobs stay on the calling thread.
+static int threads_for(int64_t bytes, int nthreads) {
+    const int64_t per_thread = 1 << 20;
+    return (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, bytes / per_thread));
+}
+
+template <int WF, int SF>
+static void gemv_impl(const LlkArgs& a) {
+    const Tables& t = tables();
+    std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first row); empty experts: none
+    for (int64_t e = 0; e < a.E; e++)
+        if (a.row_end[e] > a.row_start[e])
+            for (int64_t n = 0; n < a.N; n += kGemvTileN) items.emplace_back(e, n);
+    const int64_t n_items = (int64_t)items.size();
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int nt = threads_for(n_items * kGemvTileN * row_bytes * (a.w3.w ? 2 : 1), a.nthreads);
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
+    for (int64_t i = 0; i < n_items; i++) {
+        const int64_t e = items[i].first, n0 = items[i].second, n1 = std::min<int64_t>(n0 + kGemvTileN, a.N);
+        for (int64_t r = a.row_start[e]; r < a.row_end[e]; r += kGemvRows) {
+            switch ((int)std::min<int64_t>(kGemvRows, a.row_end[e] - r)) {
+                case 1: gemv_tile<WF, SF, 1>(a, e, n0, n1, r, t); break;
+                case 2: gemv_tile<WF, SF, 2>(a, e, n0, n1, r, t); break;
+                case 3: gemv_tile<WF, SF, 3>(a, e, n0, n1, r, t); break;
+                default: gemv_tile<WF, SF, 4>(a, e, n0, n1, r, t); break;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// AMX path
+//
+// C[n][m] (16 x 16 fp32) += A[n][k] (16 weight rows x 32 bf16) * B[k][m] (x, VNNI: row i holds
+// the 16 pairs x[m][2i], x[m][2i+1]). Tiles: 0-3 accumulators (2 weight halves x 2 row slices),
+// 4-5 weights, 6-7 activations.
+
+static const int kAmxTileN = 32;  // weight rows per work item (two A tiles)
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static bool g_amx_ok = false;
+
+// Per-thread scratch buffer `slot`, at least `bytes` long, 64-byte aligned, reused across calls.
+static void* scratch(int slot, size_t bytes) {
+    struct Buf {
+        void* p = nullptr;
+        size_t n = 0;
+        ~Buf() { free(p); }
+    };
+    static thread_local Buf bufs[4];
+    Buf& b = bufs[slot];
+    if (b.n < bytes) {
+        free(b.p);
+        b.n = (bytes + 4095) & ~(size_t)4095;
+        b.p = aligned_alloc(64, b.n);
+    }
+    return b.p;
+}
+
+static void amx_thread_init() {
+    alignas(64) TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// Transpose a 16 x 16 matrix of 32-bit elements held in r[0..15] (rows) in place.
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    // r[4i + j]: in 128-bit lane L, rows 4i..4i+3 of column 4L + j
+    const __m512i lo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int j = 0; j < 4; j++) {
+        // a0 lanes: (col j rows 0-3, col j rows 4-7, col 4+j rows 0-3, col 4+j rows 4-7); a1: cols 8+j, 12+j
+        const __m512i a0 = _mm512_permutex2var_epi64(r[j], lo, r[4 + j]), a1 = _mm512_permutex2var_epi64(r[j], hi, r[4 + j]);
+        const __m512i b0 = _mm512_permutex2var_epi64(r[8 + j], lo, r[12 + j]), b1 = _mm512_permutex2var_epi64(r[8 + j], hi, r[12 + j]);
+        t[j] = _mm512_shuffle_i64x2(a0, b0, 0x44);       // column j, rows 0-15
+        t[4 + j] = _mm512_shuffle_i64x2(a0, b0, 0xEE);   // column 4 + j
+        t[8 + j] = _mm512_shuffle_i64x2(a1, b1, 0x44);   // column 8 + j
+        t[12 + j] = _mm512_shuffle_i64x2(a1, b1, 0xEE);  // column 12 + j
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+// Activations [rows, ldx] bf16 (tile order) -> VNNI tiles [mt][kc][16 pairs][16 rows] of 32 bits.
+static void pack_b(const uint16_t* x, int64_t ldx, int64_t rows, int64_t kp, uint32_t* b) {
+    const int64_t mt = (rows + 15) / 16, kc = kp / 32;
+    for (int64_t t = 0; t < mt; t++)
+        for (int64_t c = 0; c < kc; c++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t m = 16 * t + i;
+                r[i] = m < rows ? _mm512_loadu_si512(x + m * ldx + 32 * c) : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            uint32_t* dst = b + (t * kc + c) * 256;
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + 16 * i, r[i]);
+        }
+}
+
+// acc[nn][0 .. 16 or 32) += C tiles (partial sums) * the group-g scale of row nn (1 without
+// srows); zero the tiles.
+template <int SF>
+static inline void flush_tiles(int64_t g, const void* const* srows, bool two, float* acc, int64_t mpad, float* tmp,
+                               const Tables& t) {
+    _tile_stored(0, tmp, 128);
+    _tile_stored(2, tmp + 512, 128);
+    if (two) {
+        _tile_stored(1, tmp + 16, 128);
+        _tile_stored(3, tmp + 512 + 16, 128);
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int nn = 0; nn < kAmxTileN; nn++) {
+        const __m512 s = _mm512_set1_ps(srows ? scale_at<SF>(srows[nn], g, t) : 1.0f);
+        const float* src = tmp + (nn / 16) * 512 + (nn % 16) * 32;
+        float* dst = acc + nn * mpad;
+        _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_loadu_ps(src), s, _mm512_loadu_ps(dst)));
+        if (two) _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(_mm512_loadu_ps(src + 16), s, _mm512_loadu_ps(dst + 16)));
+    }
+}
+
+// Decode step `st` (128 K values) of the 32 rows into `out` laid out chunk-major,
+// [4 chunks][32 rows][32 bf16], so each A tile (16 rows of one chunk) is 1 KiB contiguous.
+template <int WF, int SF, bool FOLD>
+static inline void decode_step(const uint8_t* const* wrows, const void* const* srows, int64_t st, int64_t row_bytes,
+                               int gs, int64_t ngroups, uint16_t* out, const Tables& t) {
+    for (int r = 0; r < kAmxTileN; r++) {
+        __m512i z[4];
+        if (WF == W_FP8) {
+            prefetch(wrows[r] + 128 * st);
+            prefetch(wrows[r] + 128 * st + 64);
+            decode8_bf16(wrows[r] + 128 * st, mask64(row_bytes - 128 * st), t, z);
+            decode8_bf16(wrows[r] + 128 * st + 64, mask64(row_bytes - 128 * st - 64), t, z + 2);
+        } else {
+            prefetch(wrows[r] + 64 * st);
+            decode4_block<WF, SF, FOLD>(wrows[r] + 64 * st, row_bytes - 64 * st, srows[r], st, gs, ngroups, t, z);
+        }
+        for (int c = 0; c < 4; c++) _mm512_store_si512(out + (c * kAmxTileN + r) * 32, z[c]);
+    }
+}
+
+static const int kAmxBlockSteps = 2;  // 128-value steps per decoded block when many row tiles share it
+
+// acc[nn][m] (32 x mpad fp32) = weight rows [n0, n0 + 32) of expert e times the B tiles (mt tiles
+// of 16 activation rows), group scales included.
+// K is walked in blocks: a block of the 32 rows is decoded into an L1 buffer (double-buffered,
+// so tile loads never wait on the stores just issued, and the decode of the next block overlaps
+// the AMX work on this one), then multiplied with every tile of activation rows.
+// * up to 2 row tiles: the accumulators stay in tile registers across K (1-step blocks);
+// * more: each (block, pair of row tiles) is added into acc (2-step blocks).
+// FLUSH (int4): each group's partial sums are scaled into acc (q * scale is not exact in bf16).
+template <int WF, int SF, bool FLUSH, bool FOLD>
+static void amx_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n0, int64_t kp, const uint32_t* b,
+                     int64_t mt, float* acc, int64_t mpad, uint16_t* buf, float* tmp, const Tables& t) {
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int64_t kc = kp / 32, steps = (kc + 3) / 4;
+    const int64_t ngroups = a.gs > 0 ? a.K / a.gs : 0;
+    const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
+    const int64_t cpg = FLUSH ? a.gs / 32 : kc;  // 32-value chunks per group (tile order keeps them whole)
+    const bool resident = mt <= 2;               // accumulators stay in tiles across K
+    const int64_t bsteps = resident ? 1 : kAmxBlockSteps;
+    const int64_t bchunks = 4 * bsteps, nblocks = (steps + bsteps - 1) / bsteps;
+    const uint8_t* wrows[kAmxTileN];
+    const void* srows[kAmxTileN];
+    for (int r = 0; r < kAmxTileN; r++) {  // rows past N repeat the last row; their outputs are dropped
+        const int64_t n = std::min<int64_t>(n0 + r, a.N - 1);
+        wrows[r] = w.w + e * w.w_estride + n * w.w_ldn;
+        srows[r] = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+    }
+    auto decode_block = [&](int64_t blk, uint16_t* out) {
+        for (int64_t st = blk * bsteps; st < std::min(steps, (blk + 1) * bsteps); st++)
+            decode_step<WF, SF, FOLD>(wrows, srows, st, row_bytes, a.gs, ngroups, out + (st - blk * bsteps) * 4096, t);
+    };
+    if (FLUSH || !resident) memset(acc, 0, sizeof(float) * kAmxTileN * mpad);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    decode_block(0, buf);
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        uint16_t* cur = buf + (blk & 1) * bchunks * 1024;
+        if (blk + 1 < nblocks) decode_block(blk + 1, buf + ((blk + 1) & 1) * bchunks * 1024);
+        const int64_t c0 = blk * bchunks, c1 = std::min(kc, c0 + bchunks);
+        for (int64_t t0 = 0; t0 < mt; t0 += 2) {
+            const bool two = t0 + 1 < mt;
+            for (int64_t cg = c0; cg < c1; cg++) {
+                const uint16_t* ab = cur + (cg - c0) * 1024;
+                _tile_loadd(4, ab, 64);
+                _tile_loadd(5, ab + 512, 64);
+                _tile_loadd(6, b + (t0 * kc + cg) * 256, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) {
+                    _tile_loadd(7, b + ((t0 + 1) * kc + cg) * 256, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                const bool group_end = FLUSH && ((cg + 1) % cpg == 0 || cg + 1 == kc);
+                if (group_end || (!resident && cg + 1 == c1))  // (a group cut by the block: same scale twice)
+                    flush_tiles<SF>(std::min<int64_t>(cg / cpg, ngroups - 1), FLUSH ? srows : nullptr, two,
+                                    acc + 16 * t0, mpad, tmp, t);
+            }
+        }
+    }
+    if (resident && !FLUSH) {
+        const bool two = mt == 2;
+        _tile_stored(0, acc, mpad * 4);
+        _tile_stored(2, acc + 16 * mpad, mpad * 4);
+        if (two) {
+            _tile_stored(1, acc + 16, mpad * 4);
+            _tile_stored(3, acc + 16 * mpad + 16, mpad * 4);
+        }
+    }
+}
+
+template <int WF, int SF>
+static void amx_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp) {
+    const Tables& t = tables();
+    const int64_t rows = a.row_end[e] - a.row_start[e];
+    const int64_t mt = (rows + 15) / 16, mpad = mt * 16;
+    const int64_t n_items = (a.N + kAmxTileN - 1) / kAmxTileN;
+    const bool swiglu = a.w3.w != nullptr;
+    // int4's bf16 / fp32 group scales do not fold exactly into bf16 weights: flush per group.
+    // w4a8 (int4 x e4m3: <= 7 significant bits) and nvfp4 (e2m1 x e4m3: <= 6) fold exactly.
+    constexpr bool FOLD = WF == W_FP4 || (WF == W_INT4 && SF == S_E4M3);
+    constexpr bool FLUSH = WF == W_INT4 && !FOLD;
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int nt = (int)std::min<int64_t>(n_items, threads_for(a.N * row_bytes * (swiglu ? 2 : 1) * (1 + mt), a.nthreads));
+#pragma omp parallel num_threads(nt)
+    {
+        amx_thread_init();
+        // per-thread scratch kept across calls (fresh large allocations would page-fault each call)
+        uint16_t* wbuf = (uint16_t*)scratch(0, 2 * kAmxBlockSteps * 4096 * 2);  // decode double buffer
+        float* acc1 = (float*)scratch(1, kAmxTileN * mpad * 4);
+        float* acc3 = swiglu ? (float*)scratch(2, kAmxTileN * mpad * 4) : nullptr;
+        alignas(64) float tmp[1024];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++) {
+            const int64_t n0 = i * kAmxTileN;
+            amx_rows<WF, SF, FLUSH, FOLD>(a, a.w1, e, n0, kp, b, mt, acc1, mpad, wbuf, tmp, t);
+            if (swiglu) amx_rows<WF, SF, FLUSH, FOLD>(a, a.w3, e, n0, kp, b, mt, acc3, mpad, wbuf, tmp, t);
+            const int64_t n1 = std::min<int64_t>(n0 + kAmxTileN, a.N);
+            for (int64_t m = 0; m < rows; m++) {
+                const int64_t r = a.row_start[e] + m;
+                const float ts = a.tokscale ? a.tokscale[r] : 1.0f;
+                for (int64_t n = n0; n < n1; n++) {
+                    float v = acc1[(n - n0) * mpad + m] * factor(a.w1, e, n) * ts;
+                    if (swiglu) v = silu(v) * (acc3[(n - n0) * mpad + m] * factor(a.w3, e, n) * ts);
+                    a.out[r * a.ldo + n] = v;
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// activation quantization: the same fp32 operations, in the same order, as kernels/reference.py,
+// so the quantized values are bit-identical (built with -ffp-contract=off).
+
+// Round fp32 in [-448, 448] to the nearest e4m3 value (ties to even), returned as fp32.
+static inline __m512 round_e4m3(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000));
+    const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    // normal range: keep 3 mantissa bits, round half to even (a carry bumps the exponent)
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+    const __m512i normal = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7FFFF)), lsb),
+                                            _mm512_set1_epi32((int)0xFFF00000));
+    // subnormal range (< 2^-6): multiples of 2^-9
+    const __m512 af = _mm512_castsi512_ps(a);
+    const __m512 sub = _mm512_mul_ps(
+        _mm512_roundscale_ps(_mm512_mul_ps(af, _mm512_set1_ps(512.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+        _mm512_set1_ps(1.0f / 512.0f));
+    const __mmask16 is_sub = _mm512_cmp_ps_mask(af, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+    const __m512i r = _mm512_mask_mov_epi32(normal, is_sub, _mm512_castps_si512(sub));
+    return _mm512_castsi512_ps(_mm512_or_si512(r, sign));
+}
+
+static inline float round_e4m3_scalar(float v) {
+    return _mm512_cvtss_f32(round_e4m3(_mm512_set1_ps(v)));
+}
+
+// Per token: s = clamp(amax, max=ub, min=1e-12) / 448, q = e4m3(clamp(x / s, +-448)).
+// Writes q as fp32 (gemv path) or bf16 (tile path); both are exact.
+static void quant_fp8_rows(const float* x, int64_t rows, int64_t K, int64_t ldx, float ub, float* out32,
+                           uint16_t* out16, int64_t ldo, float* scales, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* xr = x + r * ldx;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16)
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask16(K - k), xr + k)));
+        float s = _mm512_reduce_max_ps(amax);
+        if (ub > 0) s = std::min(s, ub);
+        s = std::max(s, 1e-12f) / 448.0f;
+        scales[r] = s;
+        const __m512 vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(448.0f), nlim = _mm512_set1_ps(-448.0f);
+        for (int64_t k = 0; k < K; k += 16) {
+            const __mmask16 m = mask16(K - k);
+            __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(m, xr + k), vs);
+            v = round_e4m3(_mm512_min_ps(_mm512_max_ps(v, nlim), lim));
+            if (out32) _mm512_mask_storeu_ps(out32 + r * ldo + k, m, v);
+            if (out16)
+                _mm256_mask_storeu_epi16(out16 + r * ldo + k, m,
+                                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+        }
+    }
+}
+
+// Per token and 16 values: local = e4m3(min(amax / 6 * g, 448)), scale = local / g,
+// q = e2m1(x / scale); out = q * local (exact in bf16; the caller divides by g in fp32).
+static void quant_nvfp4_rows(const float* x, int64_t rows, int64_t K, int64_t ldx, const float* g_rows, float* out,
+                             int64_t ldo, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float g = g_rows[r];
+        for (int64_t k = 0; k < K; k += 16) {
+            const __m512 v = _mm512_loadu_ps(x + r * ldx + k);
+            const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+            const float local = round_e4m3_scalar(std::min(amax / 6.0f * g, 448.0f));
+            float* o = out + r * ldo + k;
+            if (!(local > 0.0f)) {
+                _mm512_storeu_ps(o, _mm512_setzero_ps());
+                continue;
+            }
+            const float scale = local / g;
+            const __m512 q = _mm512_div_ps(v, _mm512_set1_ps(scale));
+            const __m512 aq = _mm512_abs_ps(q);
+            __m512 rr = _mm512_setzero_ps();
+            // ties to even: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
+            rr = _mm512_mask_mov_ps(rr, _mm512_cmp_ps_mask(aq, _mm512_set1_ps(0.25f), _CMP_GT_OQ), _mm512_set1_ps(0.5f));
+            rr = _mm512_mask_mov_ps(rr, _mm512_cmp_ps_mask(aq, _mm512_set1_ps(0.75f), _CMP_GE_OQ), _mm512_set1_ps(1.0f));
+            rr = _mm512_mask_mov_ps(rr, _mm512_cmp_ps_mask(aq, _mm512_set1_ps(1.25f), _CMP_GT_OQ), _mm512_set1_ps(1.5f));
+            rr = _mm512_mask_mov_ps(rr, _mm512_cmp_ps_mask(aq, _mm512_set1_ps(1.75f), _CMP_GE_OQ), _mm512_set1_ps(2.0f));
+            rr = _mm512_mask_mov_ps(rr, _mm512_cmp_ps_mask(aq, _mm512_set1_ps(2.5f), _CMP_GT_OQ), _mm512_set1_ps(3.0f));
+            rr = _mm512_mask_mov_ps(rr, _mm512_cmp_ps_mask(aq, _mm512_set1_ps(3.5f), _CMP_GE_OQ), _mm512_set1_ps(4.0f));
+            rr = _mm512_mask_mov_ps(rr, _mm512_cmp_ps_mask(aq, _mm512_set1_ps(5.0f), _CMP_GT_OQ), _mm512_set1_ps(6.0f));
+            const __m512i sign = _mm512_and_si512(_mm512_castps_si512(q), _mm512_set1_epi32((int)0x80000000));
+            rr = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(rr), sign));
+            _mm512_storeu_ps(o, _mm512_mul_ps(rr, _mm512_set1_ps(local)));
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// C ABI
+
+// Supported combinations (cpu.py checks them first; anything else returns -1):
+//   int4 (w4a16 / w4a8): bf16, fp32 or e4m3 group scales, group size 32, 64 or a multiple of 128
+//   e2m1 (nvfp4):        e4m3 scales per 16 values
+//   e4m3 (fp8 rowwise):  no group scales
+static int supported(const LlkArgs* a) {
+    if (a->wfmt == W_INT4)
+        return a->sfmt != S_NONE && (a->gs == 32 || a->gs == 64 || (a->gs > 0 && a->gs % 128 == 0)) && a->K % a->gs == 0;
+    if (a->wfmt == W_FP4) return a->sfmt == S_E4M3 && a->gs == 16 && a->K % 16 == 0;
+    return a->wfmt == W_FP8 && a->sfmt == S_NONE;
+}
+
+#define LLK_DISPATCH(FN, ...)                                                \
+    do {                                                                     \
+        if (a->wfmt == W_FP8) FN<W_FP8, S_NONE>(__VA_ARGS__);                \
+        else if (a->wfmt == W_FP4) FN<W_FP4, S_E4M3>(__VA_ARGS__);           \
+        else if (a->sfmt == S_BF16) FN<W_INT4, S_BF16>(__VA_ARGS__);         \
+        else if (a->sfmt == S_F32) FN<W_INT4, S_F32>(__VA_ARGS__);           \
+        else FN<W_INT4, S_E4M3>(__VA_ARGS__);                                \
+    } while (0)
+
+template <int WF, int SF>
+static void dequant_call(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, uint16_t* out, int64_t ld) {
+    const Tables& t = tables();
+    const int64_t chunk = 16;
+#pragma omp parallel for schedule(static) num_threads(a.nthreads)
+    for (int64_t n = n0; n < n1; n += chunk) {
+        const int64_t cnt = std::min<int64_t>(chunk, n1 - n);
+        decode_rows_bf16<WF, SF, WF != W_FP8>(a, a.w1, e, n, cnt, out + (n - n0) * ld, ld, t);
+    }
+}
+
+extern "C" {
+
+int llk_abi_version() { return 2; }
+
+// 1 if AMX tiles are usable in this process (asks the kernel for the tile state once).
+int llk_amx_init() {
+    static int state = -1;
+    if (state < 0) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
+        g_amx_ok = state == 1;
+    }
+    return state;
+}
+
+// Few rows per expert: x is fp32 in gemv order.
+int llk_gemv(const LlkArgs* a) {
+    if (!supported(a)) return -1;
+    LLK_DISPATCH(gemv_impl, *a);
+    return 0;
+}
+
+// Rows of one expert e with AMX: x is bf16 in tile order, `kp` (a multiple of 32) wide.
+int llk_amx(const LlkArgs* a, int64_t e, int64_t kp) {
+    if (!supported(a) || !g_amx_ok || kp % 32) return -1;
+    const int64_t rows = a->row_end[e] - a->row_start[e];
+    if (rows <= 0) return 0;
+    uint32_t* b = (uint32_t*)scratch(3, ((rows + 15) / 16) * 16 * (kp / 2) * 4);
+    pack_b((const uint16_t*)a->x + a->row_start[e] * a->ldx, a->ldx, rows, kp, b);
+    LLK_DISPATCH(amx_impl, *a, e, b, kp);
+    return 0;
+}
+
+// Weight rows [n0, n1) of expert e as bf16 in tile order (group scales multiplied in and rounded).
+int llk_dequant_bf16(const LlkArgs* a, int64_t e, int64_t n0, int64_t n1, uint16_t* out, int64_t ld) {
+    if (!supported(a)) return -1;
+    LLK_DISPATCH(dequant_call, *a, e, n0, n1, out, ld);
+    return 0;
+}
+
+void llk_quant_fp8_rows(const float* x, int64_t rows, int64_t K, int64_t ldx, float ub, float* out32,
+                        uint16_t* out16, int64_t ldo, float* scales, int nthreads) {
+    quant_fp8_rows(x, rows, K, ldx, ub, out32, out16, ldo, scales, nthreads);
+}
+
+int llk_quant_nvfp4_rows(const float* x, int64_t rows, int64_t K, int64_t ldx, const float* g_rows, float* out,
+                         int64_t ldo, int nthreads) {
+    if (K % 16) return -1;
+    quant_nvfp4_rows(x, rows, K, ldx, g_rows, out, ldo, nthreads);
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,257 @@
+"""Benchmark the kernels per weight format and path, as ratios measured in one run.
+
+    python -m scripts.bench_kernels [--quick] [--json out.json] [--backends cpu,reference] [--reps 7]
+
+Cases (Llama 4 Scout: dim 5120, expert hidden 8192, 16 experts; scaled to a 2-core CPU box):
+* ``expert_w1``: one expert's W1, linear [8192, 5120], batch 1 / 8 / 512.
+* ``stack16``: the 16 experts' W1 stacked, linear [131072, 5120], batch 1 / 8: every format is
+  larger than a 300 MiB last-level cache, so this is the memory-roofline case.
+* ``moe16``: grouped SwiGLU over 16 experts at reduced dims (D 1024, F 2048), tokens routed
+  top-1 round robin (batch 1 touches one expert, 512 touches all).
+
+Every timing is the median over ``reps`` rounds; inside a round the paths and formats alternate
+with a streaming read of a buffer larger than the LLC (fp32 ``sum``, the fastest plain read we
+found), so a noisy machine affects all of them alike. Reported per row: median time, weight
+bytes touched / time (GB/s), that as a fraction of the streaming read, and the speedup over the
+reference path and over bf16 on the same layer and batch.
+
+Paths: ``cpu`` (kernels.cpu: the C++ kernels; bf16 is PyTorch/oneDNN), ``reference``
+(kernels.reference), and ``int4pack`` (PyTorch's ``_weight_int4pack_mm_for_cpu``, int4 only, as a
+baseline). ``--backends`` picks among them. Run as a program, the script sets
+``OMP_WAIT_POLICY=PASSIVE`` unless it is set (see below); the JSON records the policy in force.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Idle OpenMP threads spin by default. On a shared, oversubscribed machine (this project's 2-vCPU
+# boxes) a spinning worker steals the CPU the working thread needs; measured on a fused int4 batch-8
+# call: 50 ms spinning vs 0.75 ms passive, the bf16 baseline unchanged. It must be set before torch
+# loads libgomp, so only when this file is the program (``python -m scripts.bench_kernels``).
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import json as _json
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import fire
+import torch
+
+from kernels import cpu, reference
+from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, W4A8Weight
+
+FORMATS = ("bf16", "int4", "fp8", "w4a8", "nvfp4", "nvfp4_w4a4")
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str  # "linear" or "moe"
+    n: int  # linear: N; moe: hidden F
+    k: int  # linear: K; moe: dim D
+    experts: int
+    batches: tuple[int, ...]
+    reference_max_weights: int  # skip the reference path above this many weights (time, memory)
+
+
+FULL = (
+    Case("expert_w1", "linear", 8192, 5120, 1, (1, 8, 512), 8192 * 5120),
+    Case("stack16", "linear", 16 * 8192, 5120, 1, (1, 8), 0),
+    Case("moe16", "moe", 2048, 1024, 16, (1, 8, 512), 16 * 3 * 2048 * 1024),
+)
+QUICK = (
+    Case("expert_w1", "linear", 128, 256, 1, (1, 8, 32), 1 << 30),
+    Case("moe4", "moe", 128, 128, 4, (1, 8, 32), 1 << 30),
+)
+
+
+# ---- random weights of each format (values do not matter for speed; layouts do)
+
+
+def make_weight(fmt: str, n: int, k: int, e: Optional[int] = None, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lead = () if e is None else (e,)
+    if fmt == "bf16":
+        return torch.empty(*lead, n, k, dtype=torch.bfloat16).uniform_(-0.05, 0.05, generator=g)
+
+    def nibbles() -> torch.Tensor:
+        return torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, generator=g)
+
+    if fmt == "int4":
+        return Int4Weight(nibbles(), (torch.rand(*lead, n, k // 128, generator=g) * 0.01).to(torch.bfloat16), 128)
+    if fmt == "fp8":
+        codes = torch.randint(0, 0x7F, (*lead, n, k), dtype=torch.uint8, generator=g)  # no NaN (0x7F)
+        codes |= torch.randint(0, 2, (*lead, n, k), dtype=torch.uint8, generator=g) << 7
+        return Fp8Weight(codes.view(torch.float8_e4m3fn), torch.rand(*lead, n, generator=g) * 1e-3)
+    if fmt == "w4a8":
+        gsc = (torch.rand(*lead, n, k // 128, generator=g) * 50 + 1).to(torch.float8_e4m3fn)
+        return W4A8Weight(nibbles(), gsc, torch.rand(*lead, n, generator=g) * 1e-3, 128)
+    if fmt in ("nvfp4", "nvfp4_w4a4"):
+        sc = (torch.rand(*lead, n, k // 16, generator=g) * 100 + 1).to(torch.float8_e4m3fn)
+        gs = torch.full(lead, 2688.0) if e else torch.tensor(2688.0)
+        gi = None if fmt == "nvfp4" else (torch.full(lead, 600.0) if e else torch.tensor(600.0))
+        return NVFP4Weight(nibbles(), sc, gs, gi)
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def weight_bytes(w) -> int:
+    """Bytes of one weight's stored tensors (what a bandwidth-bound kernel must read)."""
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    tensors = [getattr(w, f, None) for f in ("qweight", "weight", "scales", "scale", "group_scales", "channel_scales")]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+# ---- the paths
+
+
+def int4pack_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """PyTorch's packed int4 CPU kernel (the baseline the brief names), via cpu's fallback form."""
+    if "int4pack" not in w.prepared:
+        saved = cpu._lib, cpu._lib_tried
+        cpu._lib, cpu._lib_tried = None, True
+        try:
+            w.prepared["int4pack"] = cpu._build_cpu_form(w)
+        finally:
+            cpu._lib, cpu._lib_tried = saved
+    return cpu._int4pack_rows(w.prepared["int4pack"], x.reshape(-1, x.shape[-1]), 0)
+
+
+def path_fn(path: str, case: Case, fmt: str, ws) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """fn(x, offsets) for one path, or None when the path does not apply."""
+    if path == "int4pack":
+        if fmt != "int4" or case.kind != "linear":
+            return None
+        return lambda x, off: int4pack_linear(x, ws[0])
+    module = cpu if path == "cpu" else reference
+    if case.kind == "linear":
+        return lambda x, off: module.linear(x, ws[0])
+    return lambda x, off: module.grouped_swiglu(x, off, *ws)
+
+
+def touched_bytes(case: Case, ws, offsets: Optional[list[int]]) -> int:
+    """Weight bytes a call must read: all of a linear; the experts that have tokens in a MoE."""
+    if case.kind == "linear":
+        return weight_bytes(ws[0])
+    active = sum(1 for a, b in zip(offsets, offsets[1:]) if b > a)
+    return sum(weight_bytes(w) for w in ws) * active // case.experts
+
+
+def routed(batch: int, experts: int) -> list[int]:
+    """Offsets of ``batch`` tokens routed round robin (top-1): sorted by expert."""
+    counts = [batch // experts + (1 if i < batch % experts else 0) for i in range(experts)]
+    return [sum(counts[:i]) for i in range(experts + 1)]
+
+
+# ---- measurement
+
+
+def _time(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_case(case: Case, backends: list[str], reps: int, stream: torch.Tensor) -> list[dict]:
+    print(f"# {case.name}: building weights ...", flush=True)
+    weights = {}
+    for i, fmt in enumerate(FORMATS):
+        if case.kind == "linear":
+            weights[fmt] = [make_weight(fmt, case.n, case.k, seed=i)]
+        else:
+            e = case.experts
+            weights[fmt] = [make_weight(fmt, case.n, case.k, e, seed=3 * i), make_weight(fmt, case.n, case.k, e, seed=3 * i + 1),
+                            make_weight(fmt, case.k, case.n, e, seed=3 * i + 2)]  # fmt: skip
+    rows = []
+    n_weights = case.n * case.k * case.experts * (3 if case.kind == "moe" else 1)
+    for batch in case.batches:
+        x = torch.randn(batch, case.k, dtype=torch.bfloat16)
+        off = routed(batch, case.experts) if case.kind == "moe" else None
+        offsets = torch.tensor(off) if off else None
+        runs = {}  # (fmt, path) -> fn
+        for fmt in FORMATS:
+            for path in backends:
+                if path == "reference" and n_weights > case.reference_max_weights:
+                    continue
+                fn = path_fn(path, case, fmt, weights[fmt])
+                if fn is not None:
+                    fn(x, offsets)  # warm up: prepare, compile, caches
+                    runs[(fmt, path)] = fn
+        times = {key: [] for key in runs}
+        stream_t = []
+        for _ in range(reps):
+            stream_t.append(_time(lambda: stream.sum()))
+            for key, fn in runs.items():
+                times[key].append(_time(lambda: fn(x, offsets)))
+        stream_gbs = stream.numel() * stream.element_size() / statistics.median(stream_t) / 1e9
+        med = {key: statistics.median(v) for key, v in times.items()}
+        for (fmt, path), t in med.items():
+            nbytes = touched_bytes(case, weights[fmt], off)
+            gbs = nbytes / t / 1e9
+            ref_t = med.get((fmt, "reference"))
+            bf16_t = med.get(("bf16", path)) or med.get(("bf16", "cpu"))
+            rows.append(dict(
+                case=case.name, format=fmt, batch=batch, path=path, ms=t * 1e3, weight_mb=nbytes / 2**20,
+                gbs=gbs, roofline=gbs / stream_gbs, stream_gbs=stream_gbs,
+                vs_reference=(ref_t / t) if ref_t else None, vs_bf16=(bf16_t / t) if bf16_t else None,
+            ))  # fmt: skip
+        print(f"# {case.name} batch {batch}: done (stream {stream_gbs:.1f} GB/s)", flush=True)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| case | format | batch | path | ms | weight MiB | GB/s | % of stream read | x reference | x bf16 |"
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        fx = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+        lines.append(
+            f"| {r['case']} | {r['format']} | {r['batch']} | {r['path']} | {r['ms']:.3f} | {r['weight_mb']:.1f} | "
+            f"{r['gbs']:.1f} | {100 * r['roofline']:.0f}% | {fx(r['vs_reference'])} | {fx(r['vs_bf16'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main(quick: bool = False, json: Optional[str] = None, backends: str = "cpu,reference,int4pack",
+         reps: Optional[int] = None, cases: Optional[str] = None) -> None:  # fmt: skip
+    """Run the benchmark; print a markdown table; write JSON rows (and machine info) to ``json``."""
+    run(quick, json, backends, reps, cases)
+
+
+def run(quick: bool = False, json: Optional[str] = None, backends: str = "cpu,reference,int4pack",
+        reps: Optional[int] = None, cases: Optional[str] = None) -> list[dict]:  # fmt: skip
+    """``main``, returning the rows."""
+    paths = [b.strip() for b in (backends.split(",") if isinstance(backends, str) else backends)]
+    unknown = set(paths) - {"cpu", "reference", "int4pack"}
+    if unknown:
+        raise SystemExit(f"unknown path(s) {sorted(unknown)}; choose from cpu, reference, int4pack")
+    selected = QUICK if quick else FULL
+    if cases:
+        names = set(cases.split(",") if isinstance(cases, str) else cases)
+        selected = tuple(c for c in selected if c.name in names)
+    reps = reps or (3 if quick else 7)
+    info = dict(
+        cpu=platform.processor() or platform.machine(), torch=torch.__version__, threads=torch.get_num_threads(),
+        capability=torch.backends.cpu.get_cpu_capability(), c_kernels=cpu.available(), amx=cpu.amx_available(),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(default: spin)"),
+    )  # fmt: skip
+    print(f"# {info}", flush=True)
+    # the streaming-read reference: larger than the LLC except in --quick
+    stream = torch.ones((1 << 20) if quick else (256 << 20), dtype=torch.float32)  # 4 MiB / 1 GiB
+    rows = []
+    for case in selected:
+        rows += run_case(case, paths, reps, stream)
+    table = markdown(rows)
+    print(table)
+    if json:
+        with open(json, "w") as f:
+            _json.dump(dict(info=info, rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    fire.Fire(main)

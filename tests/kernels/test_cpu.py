@@ -1,0 +1,275 @@
+"""kernels.cpu (and kernels.dispatch on CPU): every fast path equals the reference within a stated bound.
+
+Tolerances, per output element, with absdot = |x_eff| @ |W_deq|.T (the sum of the magnitudes of
+the products; x_eff = the activations after their quantization):
+* fused GEMV / AMX paths: products are exact and sums fp32 in chains of at most ~200 terms on
+  either side (< 2^-16 absdot), plus (AMX, fp32 input) the hi + lo bf16 split dropping < 2^-16 of
+  each activation: |err| <= 2^-15 absdot (observed worst: 2^-19).
+* no-AMX prefill path and PyTorch's int4pack fallback: int4 weights (or fp32 activations) rounded
+  to bf16 and the GEMM result rounded to bf16 before fp32 scaling: 2^-9 each -> 2^-8 absdot.
+* bf16 outputs: both sides round to bf16, which can differ by one bf16 ulp: + 2^-7 |ref|.
+"""
+
+import logging
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu, dispatch
+from kernels import reference as R
+from kernels.formats import dequantize_weight, select_expert
+
+from test_reference import fp8_weight, int4_weight, nvfp4_weight, w4a8_weight
+
+EXACT, ROUNDED = 2.0**-15, 2.0**-8
+
+FORMATS = {
+    "int4": lambda n, k, **kw: int4_weight(n, k, **kw),
+    "int4_g32_fp32": lambda n, k, **kw: int4_weight(n, k, gs=32, scale_dtype=torch.float32, **kw),
+    "fp8": lambda n, k, **kw: fp8_weight(n, k, **kw),
+    "w4a8": lambda n, k, **kw: w4a8_weight(n, k, **kw),
+    "w4a8_g64": lambda n, k, **kw: w4a8_weight(n, k, gs=64, **kw),
+    "nvfp4": lambda n, k, **kw: nvfp4_weight(n, k, **kw),
+    "nvfp4_w4a4": lambda n, k, **kw: nvfp4_weight(n, k, act=True, **kw),
+}
+
+needs_lib = pytest.mark.skipif(not cpu.available(), reason="C++ CPU kernels unavailable (compiler or CPU)")
+
+
+def effective_x(x: torch.Tensor, w) -> torch.Tensor:
+    """The fp32 activations the weights multiply, after the format's activation quantization."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(w, (kernels.Fp8Weight, kernels.W4A8Weight)):
+        xq, s = R.quantize_fp8_per_token(x2, w.activation_scale_ub)
+        return xq.float() * s
+    if isinstance(w, kernels.NVFP4Weight) and w.input_global_scale is not None:
+        return R.fake_quantize_nvfp4_activations(x2, w.input_global_scale)
+    return x2.float()
+
+
+def assert_close(out, ref, absdot, tol):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    ulp = 2.0**-7 if ref.dtype == torch.bfloat16 else 0.0
+    out, ref = out.float().reshape(absdot.shape), ref.float().reshape(absdot.shape)
+    bound = tol * absdot + ulp * ref.abs() + 1e-30
+    err = (out - ref).abs()
+    assert (err <= bound).all(), f"worst error / bound = {(err / bound).max().item():.3g}"
+
+
+def check_linear(x, w, tol):
+    absdot = effective_x(x, w).abs() @ dequantize_weight(w).abs().T
+    assert_close(cpu.linear(x, w), R.linear(x, w), absdot, tol)
+
+
+@pytest.fixture
+def no_amx(monkeypatch):
+    """Force the paths a CPU without AMX takes (GEMV kernel, then bf16 expansion + oneDNN)."""
+    monkeypatch.setattr(cpu, "_amx", False)
+
+
+@needs_lib
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+def test_linear_matches_reference(fmt, amx, monkeypatch):
+    if not amx:
+        monkeypatch.setattr(cpu, "_amx", False)
+    elif not cpu.amx_available():
+        pytest.skip("no AMX here")
+    ms = (1, 3, 8, 64)
+    for k in (128, 384, 640):  # 640: not a multiple of 256
+        for n in (40, 136):  # not multiples of the 32-row tiles
+            w = FORMATS[fmt](n, k, seed=k + n)
+            # the reference is row-wise: compute it once for all batch sizes
+            x_all = torch.randn(sum(ms), k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+            ref_all = R.linear(x_all, w)
+            absdot_all = effective_x(x_all, w).abs() @ dequantize_weight(w).abs().T
+            r0 = 0
+            for m in ms:
+                rows = slice(r0, r0 + m)
+                r0 += m
+                prefill_rounds = not amx and m > cpu.PREFILL_ROWS
+                tol = ROUNDED if prefill_rounds else EXACT
+                assert_close(cpu.linear(x_all[rows], w), ref_all[rows], absdot_all[rows], tol)
+
+
+@needs_lib
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp32_and_3d_inputs(fmt):
+    w = FORMATS[fmt](72, 384)
+    for shape in ((2, 3, 384), (1, 384), (40, 384)):
+        x = torch.randn(*shape) * 2
+        out = cpu.linear(x, w)
+        assert out.shape == (*shape[:-1], 72) and out.dtype == torch.float32
+        check_linear(x, w, EXACT if cpu.amx_available() or x.numel() // 384 <= cpu.PREFILL_ROWS else ROUNDED)
+
+
+@needs_lib
+def test_zero_rows():
+    w = FORMATS["int4"](40, 128)
+    assert cpu.linear(torch.zeros(0, 128, dtype=torch.bfloat16), w).shape == (0, 40)
+    out = cpu.grouped_linear(torch.randn(3, 128), torch.tensor([0, 0, 0]), FORMATS["fp8"](40, 128, lead=(2,)))
+    assert torch.equal(out, torch.zeros(3, 40))
+
+
+def grouped_reference_check(x, offsets, w, tol):
+    out = cpu.grouped_linear(x, offsets, w)
+    ref = R.grouped_linear(x, offsets, w)
+    absdot = torch.zeros_like(ref, dtype=torch.float32)
+    off = offsets.tolist()
+    for e in range(len(off) - 1):
+        if off[e + 1] > off[e]:
+            we = select_expert(w, e)
+            rows = x[off[e] : off[e + 1]]
+            absdot[off[e] : off[e + 1]] = effective_x(rows, we).abs() @ dequantize_weight(we).abs().T
+    assert_close(out, ref, absdot, tol)
+    outside = torch.ones(x.shape[0], dtype=torch.bool)
+    outside[off[0] : off[-1]] = False
+    assert (out[outside] == 0).all()
+
+
+@needs_lib
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grouped_linear_with_empty_experts(fmt):
+    w = FORMATS[fmt](40, 640, lead=(4,), seed=3)
+    for counts in ([3, 0, 5, 0], [0, 0, 0, 9], [70, 0, 1, 2]):
+        t = sum(counts) + 2  # one row before and one after the routed rows
+        x = torch.randn(t, 640, dtype=torch.bfloat16)
+        offsets = torch.tensor([1] + [1 + sum(counts[: i + 1]) for i in range(4)])
+        grouped_reference_check(x, offsets, w, EXACT if cpu.amx_available() else ROUNDED)
+
+
+@needs_lib
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "w4a8", "nvfp4", "nvfp4_w4a4"])
+def test_swiglu_matches_reference(fmt):
+    d, hidden = 128, 256  # W2 has K = hidden: a multiple of the int4 group size (128)
+    w1, w3 = FORMATS[fmt](hidden, d, lead=(3,), seed=1), FORMATS[fmt](hidden, d, lead=(3,), seed=2)
+    w2 = FORMATS[fmt](d, hidden, lead=(3,), seed=3)
+    x = torch.randn(40, d, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 2, 2, 40])  # a decode-sized, an empty and a prefill-sized expert
+    off = offsets.tolist()
+    # the fused W1/W3 pass: h within the fp32 bound of both products, plus one bf16 ulp of h
+    h = cpu._swiglu_hidden(x, off, w1, w3)
+    for e in (0, 2):
+        rows = slice(off[e], off[e + 1])
+        we1, we3 = select_expert(w1, e), select_expert(w3, e)
+        a, b = R._linear_fp32(x[rows], we1), R._linear_fp32(x[rows], we3)
+        h_ref = torch.nn.functional.silu(a) * b
+        da = effective_x(x[rows], we1).abs() @ dequantize_weight(we1).abs().T
+        db = effective_x(x[rows], we3).abs() @ dequantize_weight(we3).abs().T
+        tol = EXACT if cpu.amx_available() or off[e + 1] - off[e] <= cpu.PREFILL_ROWS else ROUNDED
+        bound = tol * (1.1 * b.abs() * da + torch.nn.functional.silu(a).abs() * db) + 2.0**-7 * h_ref.abs()
+        assert ((h[rows].float() - h_ref).abs() <= bound + 1e-30).all()
+    # then W2 is an ordinary grouped call on that h
+    out = cpu.grouped_swiglu(x, offsets, w1, w3, w2)
+    assert torch.equal(out, cpu.grouped_linear(h, offsets, w2))
+    ref = R.grouped_swiglu(x, offsets, w1, w3, w2)
+    # end to end: a bf16 ulp of h can move an fp8 / nvfp4 activation by one step of its grid
+    rel = (out.float() - ref.float()).norm() / ref.float().norm()
+    assert rel < (2.0**-5 if fmt in ("fp8", "w4a8", "nvfp4_w4a4") else 2.0**-7)
+    # the dense form (shared expert), 3-D input
+    sw = [select_expert(w, 2) for w in (w1, w3, w2)]
+    xd = x.reshape(4, 10, d)
+    dense = cpu.swiglu(xd, *sw)
+    assert dense.shape == (4, 10, d)
+    hd = cpu._swiglu_hidden(x, [0, 40], sw[0], sw[1])
+    assert torch.equal(dense.reshape(40, d), cpu.linear(hd, sw[2]))
+
+
+@needs_lib
+def test_activation_quantization_is_bit_identical():
+    x = torch.randn(5, 256) * torch.tensor([1e-4, 1.0, 30.0, 3000.0, 0.0]).unsqueeze(1)
+    x[1, :8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0]) * x[1].abs().max() / 6  # e2m1 ties
+    x[2, :4] = torch.tensor([2.0**-12, -(2.0**-13), 3 * 2.0**-12, 1e-30])  # e4m3 subnormals after scaling
+    form = cpu._form(fp8_weight(16, 256))
+    q, s = cpu._activations(form, x, [0, 5])
+    xq, s_ref = R.quantize_fp8_per_token(x, 1200.0)
+    assert torch.equal(q, xq.float()) and torch.equal(s, s_ref.squeeze(1))
+    w = nvfp4_weight(16, 256, act=True)
+    q, _ = cpu._activations(cpu._form(w), x, [0, 5])
+    values, local = R.quantize_nvfp4_activations(x, w.input_global_scale)
+    assert torch.equal(q, values * local.float().repeat_interleave(16, -1))
+
+
+def test_prepare_runs_once(monkeypatch):
+    calls = []
+    build = cpu._build_cpu_form
+    monkeypatch.setattr(cpu, "_build_cpu_form", lambda w: calls.append(1) or build(w))
+    w = int4_weight(40, 128, lead=(2,))
+    kernels.prepare(w)
+    kernels.prepare(w)
+    x = torch.randn(6, 128, dtype=torch.bfloat16)
+    for _ in range(3):
+        kernels.grouped_linear(x, torch.tensor([0, 2, 6]), w)
+    kernels.prepare(w, device="cpu")
+    assert len(calls) == 1 and "cpu" in w.prepared
+
+
+def test_fallbacks_without_the_library(monkeypatch):
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_lib_tried", True)
+    monkeypatch.setattr(cpu, "_amx", False)
+    w = int4_weight(48, 256)  # PyTorch's packed int4 kernel: N % 16 == 0
+    assert cpu.describe(w).startswith("cpu/torch")
+    for m in (1, 8, 64):
+        check_linear(torch.randn(m, 256), w, ROUNDED)
+        check_linear(torch.randn(m, 256, dtype=torch.bfloat16), w, ROUNDED)
+    w = fp8_weight(40, 256)
+    assert "reference" in cpu.describe(w)
+    check_linear(torch.randn(3, 256), w, EXACT)
+
+
+# ---- dispatch
+
+
+@pytest.fixture
+def backend():
+    before = kernels.get_backend()
+    yield
+    kernels.set_backend(before)
+
+
+def test_backend_selection_and_errors(backend, monkeypatch):
+    with pytest.raises(ValueError, match="unknown kernel backend 'gpu'"):
+        kernels.set_backend("gpu")
+    kernels.set_backend("reference")
+    assert kernels.get_backend() == "reference"
+    w = fp8_weight(24, 128)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    assert torch.equal(kernels.linear(x, w), R.linear(x, w))
+    kernels.set_backend("AUTO")
+    assert kernels.get_backend() == "auto"
+    assert dispatch._select(x)[1] == "cpu"
+    monkeypatch.setattr(dispatch, "_backend", None)
+    monkeypatch.setenv("LLAMA_LITE_KERNELS", "reference")
+    assert kernels.get_backend() == "reference"
+    monkeypatch.setattr(dispatch, "_backend", None)
+    monkeypatch.setenv("LLAMA_LITE_KERNELS", "fast")
+    with pytest.raises(ValueError, match="choose one of"):
+        kernels.get_backend()
+
+
+def test_dispatch_logs_the_path_once(backend, caplog):
+    kernels.set_backend("auto")
+    w = int4_weight(24, 128)
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="llama_lite.kernels"):
+        kernels.linear(x, w)
+        kernels.linear(x, w)
+    lines = [r.getMessage() for r in caplog.records if "linear int4" in r.getMessage()]
+    assert len(lines) == 1 and "cpu" in lines[0]
+
+
+@needs_lib
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+def test_nvfp4_k_not_a_multiple_of_32(amx, monkeypatch):
+    if not amx:
+        monkeypatch.setattr(cpu, "_amx", False)
+    elif not cpu.amx_available():
+        pytest.skip("no AMX here")
+    for k in (16, 48, 80):  # partial 16-byte chunks and 64-byte blocks
+        for act in (False, True):
+            w = nvfp4_weight(24, k, act=act, seed=k)
+            for m in (1, 5, 40):
+                x = torch.randn(m, k)
+                check_linear(x, w, ROUNDED if not amx and m > cpu.PREFILL_ROWS else EXACT)
