@@ -132,7 +132,9 @@ base = anon()
 t = threading.Thread(target=watch, daemon=True); t.start()
 llama = quantization.build({ckpt!r}, "int4_mixed", max_seq_len=16, max_batch_size=1, progress=False)
 stop = True; t.join()
-print(json.dumps({{"base": base, "peak": peak[0], "end": anon()}}))
+from quantization.modules import model_weight_bytes
+stored, _ = model_weight_bytes(llama.model)
+print(json.dumps({{"base": base, "peak": peak[0], "end": anon(), "stored": stored}}))
 """
 
 
@@ -151,6 +153,8 @@ def test_int4_load_never_holds_the_bf16_model(ckpt_root):
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     grown = m["peak"] - m["base"]
     assert grown < 0.5 * bf16_bytes, (grown, bf16_bytes)
+    # Nothing beyond the loaded model (int4 + its bf16 parts) and a few layers in flight.
+    assert grown <= m["stored"] + 32 * 2**20, (grown, m["stored"])
 
 
 def llama_models_layout(src, dst, mp: int):
