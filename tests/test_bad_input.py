@@ -100,6 +100,9 @@ def bad(tmp_path_factory, tiny_ckpt, tiny_ckpt_mp2, tiny_ckpt_hf) -> dict[str, P
 def assert_one_sentence(message: str) -> None:
     """One line, one sentence (no ". " inside, "e.g. " aside), no terminal escapes, no traceback."""
     text = message.strip()
+    if os.environ.get("LLAMA_LITE_RECORD_ERRORS"):  # collect the observed messages for a report
+        with open(os.environ["LLAMA_LITE_RECORD_ERRORS"], "a") as f:
+            f.write(text + "\n")
     assert text and "\n" not in text and "\x1b" not in text, message
     assert ". " not in text.replace("e.g. ", ""), message
     assert "Traceback" not in text
