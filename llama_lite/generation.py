@@ -57,8 +57,13 @@ class Llama4:
         convert: Optional[Loader] = None,
         dtype: torch.dtype = torch.bfloat16,
         tokenizer_path=None,
+        compile: bool = False,
     ) -> "Llama4":
-        """Build the model on the meta device and hand it to ``convert`` (default: bf16 weights) to load."""
+        """Build the model on the meta device and hand it to ``convert`` (default: bf16 weights) to load.
+
+        ``compile``: torch.compile each transformer block (see ``Transformer.compile_blocks``); the
+        first calls at each new shape then take a while.
+        """
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -99,7 +104,10 @@ class Llama4:
         if left:
             raise CheckpointError(f"the loader left {len(left)} parameter(s) without weights, e.g. {left[0]!r}")
         model.eval()
+        model.use_linear_layout()
         model.setup_caches(dtype, device)
+        if compile:
+            model.compile_blocks()
         llama = Llama4(model, tokenizer, args)
         llama.load_seconds = time.perf_counter() - start
         llama.device, llama.rank, llama.world_size = device, rank, world_size
