@@ -70,6 +70,8 @@ S_NONE, S_BF16, S_F32, S_E4M3 = 0, 1, 2, 3  # llk.cpp's ScaleFormat
 # one core, weights in L2: int4 / w4a8 / nvfp4 GEMV ~1.5x AMX at 1 row and ahead at 2; fp8 even at
 # 1 row and behind at 2).
 GEMV_MAX_ROWS = {W_INT4: 2, W_FP4: 2, W_FP8: 1}
+# Activation rows up to which a bf16 weight goes through the C GEMV (vdpbf16ps) rather than oneDNN.
+BF16_GEMV_MAX_ROWS = 4
 # Without AMX: rows of one expert above which bf16 expansion + oneDNN GEMM beats the GEMV kernel.
 PREFILL_ROWS = 16
 # Weight rows expanded to bf16 at a time on the prefill path: 1024 x 5120 x 2 B = 10 MiB.
@@ -189,6 +191,7 @@ def load_library() -> Optional[ctypes.CDLL]:
             ("llk_gemv", [args], ctypes.c_int),
             ("llk_amx", [args, i64, i64], ctypes.c_int),
             ("llk_dequant_bf16", [args, i64, i64, i64, vp, i64], ctypes.c_int),
+            ("llk_gemv_bf16", [vp, i64, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int], None),
             ("llk_quant_fp8_rows", [vp, i64, i64, i64, ctypes.c_float, vp, vp, i64, vp, ctypes.c_int], None),
             ("llk_quant_nvfp4_rows", [vp, i64, i64, i64, vp, vp, i64, ctypes.c_int], ctypes.c_int),
         ):
@@ -559,10 +562,31 @@ def _experts(w: Weight) -> int:
     return e
 
 
+def _gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
+    """x [..., K] @ W.T for bf16 x and W with the C GEMV, or None where it does not apply."""
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] > BF16_GEMV_MAX_ROWS or w.stride(1) != 1 or w.device.type != "cpu" or load_library() is None:
+        return None
+    x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+    load_library().llk_gemv_bf16(w.data_ptr(), w.stride(0), n, k, x2.data_ptr(), k, x2.shape[0], out.data_ptr(), n,
+                                 torch.get_num_threads())  # fmt: skip
+    return out.reshape(*x.shape[:-1], n)
+
+
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., N] in x.dtype."""
     if isinstance(w, torch.Tensor) and x.dtype == w.dtype:
-        return F.linear(x, w)  # oneDNN; already at the memory roofline for bf16 GEMV
+        # A few bf16 rows (decode): the C GEMV reads weights at the memory roofline, which
+        # oneDNN's bf16 GEMV does not reach at batch 1; more rows: oneDNN's GEMM.
+        if w.dtype != torch.bfloat16 or w.dim() != 2:
+            return F.linear(x, w)
+        out = _gemv_bf16(x, w)
+        if out is None:  # oneDNN with the weight as left operand reads it in place (F.linear repacks it)
+            x2 = x.reshape(-1, w.shape[1])
+            out = (w @ x2.T).T.contiguous().view(*x.shape[:-1], w.shape[0])
+        return out
     n, k = _dense(w)
     x2 = _rows(x, k)
     return _grouped_fp32(x2, [0, x2.shape[0]], w).to(x.dtype).reshape(*x.shape[:-1], n)

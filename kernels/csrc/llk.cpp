@@ -798,6 +798,66 @@ static void quant_nvfp4_rows(const float* x, int64_t rows, int64_t K, int64_t ld
     }
 }
 
+
+// ------------------------------------------------------------------------------------------
+// bf16 GEMV (layers left in bf16 by a quantization mode: attention, output)
+//
+// out[m, n] = sum_k x[m, k] W[n, k] for up to 4 bf16 activation rows, accumulated in fp32 with
+// vdpbf16ps (products of two bf16 are exact in fp32), written as bf16 (round to nearest even).
+// No decode at all: two loads and two dot products per 64 weights, so a core pulls weights far
+// faster than memory delivers them and the call runs at the memory roofline.
+
+template <int MR>
+static void bf16_tile(const uint16_t* w, int64_t ldw, int64_t n0, int64_t n1, int64_t K, const uint16_t* x,
+                      int64_t ldx, uint16_t* out, int64_t ldo) {
+    float res[MR][16];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t* wr = w + n * ldw;
+        __m512 acc[MR][2];
+        for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) {
+            _mm_prefetch((const char*)(wr + k) + kPrefetch, _MM_HINT_T0);
+            _mm_prefetch((const char*)(wr + k) + kPrefetch + 64, _MM_HINT_T0);
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+            for (int m = 0; m < MR; m++) {
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, (__m512bh)_mm512_loadu_si512(x + m * ldx + k));
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, (__m512bh)_mm512_loadu_si512(x + m * ldx + k + 32));
+            }
+        }
+        for (; k < K; k += 32) {
+            const __mmask32 mk = K - k >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+            const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mk, wr + k);
+            for (int m = 0; m < MR; m++)
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, (__m512bh)_mm512_maskz_loadu_epi16(mk, x + m * ldx + k));
+        }
+        for (int m = 0; m < MR; m++) res[m][n - n0] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+    }
+    const __mmask16 mn = (__mmask16)((1u << (n1 - n0)) - 1);
+    for (int m = 0; m < MR; m++)
+        _mm256_mask_storeu_epi16(out + m * ldo + n0, mn, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mn, res[m])));
+}
+
+static void gemv_bf16(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, const uint16_t* x, int64_t ldx, int64_t M,
+                      uint16_t* out, int64_t ldo, int nthreads) {
+    const int64_t tile = 16, n_items = (N + tile - 1) / tile;
+    const int nt = threads_for(N * K * 2, nthreads);
+#pragma omp parallel for schedule(dynamic, 8) num_threads(nt)
+    for (int64_t i = 0; i < n_items; i++) {
+        const int64_t n0 = i * tile, n1 = std::min<int64_t>(n0 + tile, N);
+        for (int64_t r = 0; r < M; r += 4) {
+            const uint16_t* xr = x + r * ldx;
+            uint16_t* orow = out + r * ldo;
+            switch ((int)std::min<int64_t>(4, M - r)) {
+                case 1: bf16_tile<1>(w, ldw, n0, n1, K, xr, ldx, orow, ldo); break;
+                case 2: bf16_tile<2>(w, ldw, n0, n1, K, xr, ldx, orow, ldo); break;
+                case 3: bf16_tile<3>(w, ldw, n0, n1, K, xr, ldx, orow, ldo); break;
+                default: bf16_tile<4>(w, ldw, n0, n1, K, xr, ldx, orow, ldo); break;
+            }
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------------------
 // C ABI
 
@@ -834,7 +894,7 @@ static void dequant_call(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, ui
 
 extern "C" {
 
-int llk_abi_version() { return 2; }
+int llk_abi_version() { return 3; }
 
 // 1 if AMX tiles are usable in this process (asks the kernel for the tile state once).
 int llk_amx_init() {
@@ -870,6 +930,12 @@ int llk_dequant_bf16(const LlkArgs* a, int64_t e, int64_t n0, int64_t n1, uint16
     if (!supported(a)) return -1;
     LLK_DISPATCH(dequant_call, *a, e, n0, n1, out, ld);
     return 0;
+}
+
+// bf16 W [N, K] (row stride ldw) times M bf16 rows of x (row stride ldx) -> bf16 out (row stride ldo).
+void llk_gemv_bf16(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, const uint16_t* x, int64_t ldx, int64_t M,
+                   uint16_t* out, int64_t ldo, int nthreads) {
+    gemv_bf16(w, ldw, N, K, x, ldx, M, out, ldo, nthreads);
 }
 
 void llk_quant_fp8_rows(const float* x, int64_t rows, int64_t K, int64_t ldx, float ub, float* out32,

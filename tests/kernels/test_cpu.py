@@ -273,3 +273,25 @@ def test_nvfp4_k_not_a_multiple_of_32(amx, monkeypatch):
             for m in (1, 5, 40):
                 x = torch.randn(m, k)
                 check_linear(x, w, ROUNDED if not amx and m > cpu.PREFILL_ROWS else EXACT)
+
+
+# ---- bf16 weights (layers a mode leaves in bf16)
+
+
+@needs_lib
+@pytest.mark.parametrize("k", [128, 200, 2048])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+def test_bf16_linear_matches_fp32_product(m, k):
+    """Up to BF16_GEMV_MAX_ROWS rows go through the C GEMV, more through oneDNN: both are the
+    fp32 product of the bf16 values rounded once to bf16 (exact products, fp32 sums)."""
+    n = 37  # not a multiple of the 16-row tile
+    base = torch.randn(n, k + 8).to(torch.bfloat16)
+    w = base[:, 3 : 3 + k]  # a row stride that is not K
+    x = torch.randn(2, m, k).to(torch.bfloat16)
+    out = cpu.linear(x, w)
+    assert out.shape == (2, m, n) and out.dtype == torch.bfloat16
+    ref = (x.float() @ w.float().T).to(torch.bfloat16)
+    absdot = (x.float().abs() @ w.float().abs().T).reshape(-1, n)
+    assert_close(out, ref, absdot, EXACT)
+    # the C GEMV takes exactly the calls whose rows fit
+    assert (cpu._gemv_bf16(x, w) is not None) == (2 * m <= cpu.BF16_GEMV_MAX_ROWS)
