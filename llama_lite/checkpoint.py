@@ -6,7 +6,9 @@ tensor this rank needs under the engine's parameter name, resharded from whateve
 files were written with. All renaming of Meta's fused keys and Hugging Face's names lives here.
 """
 
+import ctypes
 import json
+import os
 import pickle
 import re
 from pathlib import Path
@@ -61,6 +63,36 @@ def load_pth(path: Path, mmap: bool = True) -> dict:
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} does not hold a state dict")
     return obj
+
+
+_MADV_DONTNEED = 4
+
+
+def release_file_pages(paths) -> int:
+    """Drop this process's resident pages of the memory-mapped ``paths``; returns the bytes advised.
+
+    Weights are mapped read-only in effect (never written), so the pages stay in the page cache
+    and a later access simply maps them again: this only lowers the resident set while a loader
+    walks a large file once. A no-op where /proc/self/maps or madvise is not available.
+    """
+    names = {str(Path(p).resolve()) for p in paths}
+    if not names or not os.path.exists("/proc/self/maps"):
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return 0
+    done = 0
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[5].strip() not in names:
+            continue
+        start, end = (int(v, 16) for v in fields[0].split("-"))
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0:
+            done += end - start
+    return done
 
 
 def detect_format(ckpt_dir: Path) -> Optional[str]:
@@ -256,6 +288,17 @@ class Checkpoint:
         self._sources = [index]
         self._chunk = (self.world_size, self.rank)
         self._index = index
+
+    def files(self) -> list[Path]:
+        """The weight files this view reads."""
+        if self.format == "meta":
+            return self.meta_shards()
+        return sorted(self.dir.glob("*.safetensors")) if self.format == "hf" else []
+
+    def release(self) -> None:
+        """Drop the resident pages of the files read so far (see ``release_file_pages``)."""
+        if self._index is not None:
+            release_file_pages(self.files())
 
     # --- access -------------------------------------------------------------------------
     def keys(self) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, QuantizedWeight, W4A8Weight
-from llama_lite.checkpoint import load_pth, split_axis
+from llama_lite.checkpoint import load_pth, release_file_pages, split_axis
 from llama_lite.errors import CheckpointError
 
 from .sharding import merge_weights, tensor_fields
@@ -80,6 +80,7 @@ class QuantizedCheckpoint:
                 f"{self.dir} should hold {mp} files model.00..{mp - 1:02d}.safetensors"
                 + (f" but lacks model.{missing[0]:02d}.safetensors" if missing else f" but holds {len(files)}")
             )
+        self.files = files
         self.handles = []
         for p in files:
             try:
@@ -87,6 +88,9 @@ class QuantizedCheckpoint:
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"cannot read {p}: corrupted safetensors file ({e})") from None
         self.names = set(self.handles[0].keys())
+
+    def release(self) -> None:
+        release_file_pages(self.files)
 
     def _parts(self, name: str) -> list[torch.Tensor]:
         if name not in self.names:

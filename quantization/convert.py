@@ -20,7 +20,7 @@ import kernels
 from kernels.formats import QuantizedWeight
 from llama_lite.checkpoint import Checkpoint, set_tensor
 from llama_lite.errors import CheckpointError, ConfigError
-from llama_lite.model import Experts, FeedForward, MoE, Transformer
+from llama_lite.model import ColumnParallelLinear, Experts, FeedForward, MoE, RowParallelLinear, Transformer
 
 from .checkpoint_io import (
     QuantizedCheckpoint,
@@ -31,7 +31,7 @@ from .checkpoint_io import (
 )
 from .formats import quantize_fp8_rowwise, quantize_int4, quantize_nvfp4, quantize_w4a8, w4a8_from_int4
 from .modes import MODE_FORMAT, QuantizationMode, parse_mode, parse_targets
-from .modules import QuantizedExperts, QuantizedFeedForward, QuantizedLinear
+from .modules import KernelLinear, QuantizedExperts, QuantizedFeedForward, QuantizedLinear
 from .sharding import slice_weight, tensor_fields
 
 log = logging.getLogger("llama_lite.quantization")
@@ -103,6 +103,13 @@ class _Source:
             return llama_models_expert(packed, scales, self.mode.value, name.rsplit(".", 1)[1])
         return None
 
+    def release(self) -> None:
+        for ckpt in (self.full, self.ckpt):
+            if ckpt is not None:
+                ckpt.release()
+        if self.ours is not None:
+            self.ours.release()
+
     def whole(self, name: str) -> torch.Tensor:
         return self.ours.bf16(name) if self.ours is not None else self.full.get(name)
 
@@ -149,6 +156,21 @@ def _weights_of(kind: str) -> list[tuple[str, str, bool]]:
     return [("weight", "K" if kind == "row" else "N", False)]
 
 
+def _bf16_layers_to_kernels(model: Transformer, prefix: str) -> None:
+    """Swap the core's bf16 parallel linear layers under ``prefix`` ("" = outside the layers) for
+    KernelLinear, which computes the same product with the kernels' bf16 GEMV."""
+    for path, module in list(model.named_modules()):
+        inside = path.startswith(prefix) if prefix else not path.startswith("layers.")
+        if not inside or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        if isinstance(module, RowParallelLinear):
+            new = KernelLinear(module.weight.data, "row")
+        else:
+            new = KernelLinear(module.weight.data, "column", gather_output=module.gather_output)
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+
+
 def convert_to_quantized_model(
     model: Transformer,
     checkpoint: Checkpoint,
@@ -175,6 +197,8 @@ def convert_to_quantized_model(
             scale of 448 * 6 / this value.
         progress: show a progress bar on rank 0.
         prepare: build the kernels' fast-path forms (off when the weights are only to be saved).
+            With it, on a CPU in bf16, the linear layers left in bf16 also run through
+            ``kernels.linear`` (see ``KernelLinear``).
     """
     mode = parse_mode(quantization_mode)
     device = torch.device(getattr(checkpoint, "device", None) or "cpu")
@@ -191,7 +215,9 @@ def convert_to_quantized_model(
     world, rank = checkpoint.world_size, checkpoint.rank
 
     def to_device(w: QuantizedWeight) -> QuantizedWeight:
-        w = replace(w, **{k: v.to(device) for k, v in tensor_fields(w).items()}, prepared={})
+        # Contiguous here, so the kernels use these very tensors: quantizing a transposed view
+        # yields transposed strides, and a fast path would otherwise keep a second, contiguous copy.
+        w = replace(w, **{k: v.to(device).contiguous() for k, v in tensor_fields(w).items()}, prepared={})
         if prepare:
             kernels.prepare(w, device)
         return w
@@ -245,6 +271,11 @@ def convert_to_quantized_model(
                         f"{tuple(param.shape)} (params.json does not match the weights)"
                     )
                 set_tensor(model, name, t.to(device=device, dtype=dtype).contiguous())
+            if prepare and device.type == "cpu" and dtype == torch.bfloat16:
+                _bf16_layers_to_kernels(model, prefix)
+            # The bf16 pages this layer was quantized from are not needed again: drop them from this
+            # process, so loading holds about one layer of the bf16 checkpoint at a time.
+            source.release()
             if bar:
                 bar.advance(bar.task_ids[0])
     finally:

@@ -117,10 +117,12 @@ from llama_lite.distributed import init_distributed
 init_distributed(1, "cpu")
 import quantization
 
-def anon():
+def status(key):
     for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
+        if line.startswith(key):
             return int(line.split()[1]) * 1024
+def anon():
+    return status("RssAnon:")
 peak = [0]
 stop = False
 def watch():
@@ -128,13 +130,18 @@ def watch():
         peak[0] = max(peak[0], anon()); time.sleep(0.002)
 from llama_lite.tokenizer import Tokenizer
 Tokenizer({ckpt!r} + "/tokenizer.model")  # cached: its BPE tables are not model memory
-base = anon()
+base, base_rss = anon(), status("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # restart VmHWM (all resident pages, file-backed too)
 t = threading.Thread(target=watch, daemon=True); t.start()
 llama = quantization.build({ckpt!r}, "int4_mixed", max_seq_len=16, max_batch_size=1, progress=False)
 stop = True; t.join()
+hwm = status("VmHWM:")
 from quantization.modules import model_weight_bytes
 stored, _ = model_weight_bytes(llama.model)
-print(json.dumps({{"base": base, "peak": peak[0], "end": anon(), "stored": stored}}))
+kv = sum(l.attention.cache_k.nbytes + l.attention.cache_v.nbytes for l in llama.model.layers
+         if l.attention.cache_k is not None)
+print(json.dumps({{"base": base, "peak": peak[0], "end": anon(), "stored": stored, "rss_grew": hwm - base_rss,
+                  "kv": kv}}))
 """
 
 
@@ -145,8 +152,11 @@ def test_int4_load_never_holds_the_bf16_model(ckpt_root):
     The bf16 files are memory-mapped (page cache, not copies); what the process allocates is the
     int4 experts, the bf16 parts that must be copied, and one layer in flight."""
     ckpt = make_checkpoint(ckpt_root, "small", preset="small", mp=1, seed=0)
-    bf16_bytes = sum(t.numel() * 2 for t in torch.load(ckpt / "consolidated.00.pth", mmap=True,
-                                                         weights_only=True).values())
+    state = torch.load(ckpt / "consolidated.00.pth", mmap=True, weights_only=True)
+    bf16_bytes = sum(t.numel() * 2 for t in state.values())
+    n_layers = json.loads((ckpt / "params.json").read_text())["n_layers"]
+    expert_bytes_per_layer = sum(t.numel() * 2 for k, t in state.items() if "experts" in k or "shared" in k) / n_layers
+    del state
     proc = subprocess.run([sys.executable, "-c", MEMORY_PROBE.format(root=str(ROOT), ckpt=str(ckpt))],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -155,6 +165,13 @@ def test_int4_load_never_holds_the_bf16_model(ckpt_root):
     assert grown < 0.5 * bf16_bytes, (grown, bf16_bytes)
     # Nothing beyond the loaded model (int4 + its bf16 parts) and a few layers in flight.
     assert grown <= m["stored"] + 32 * 2**20, (grown, m["stored"])
+    # All resident pages, the memory-mapped bf16 files' included: the loader drops each layer's
+    # bf16 pages once quantized, so file pages beyond the anonymous peak stay within about one
+    # layer's experts (without the release they grow to every layer's), and the whole peak
+    # within 1.25x of the weights and KV cache.
+    file_pages = m["rss_grew"] - grown
+    assert file_pages <= 2 * expert_bytes_per_layer + 8 * 2**20, (file_pages, expert_bytes_per_layer)
+    assert m["rss_grew"] <= 1.25 * (m["stored"] + m["kv"]), (m["rss_grew"], m["stored"], m["kv"])
 
 
 def llama_models_layout(src, dst, mp: int):
