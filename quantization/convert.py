@@ -32,9 +32,13 @@ from .checkpoint_io import (
 from .formats import quantize_fp8_rowwise, quantize_int4, quantize_nvfp4, quantize_w4a8, w4a8_from_int4
 from .modes import MODE_FORMAT, QuantizationMode, parse_mode, parse_targets
 from .modules import KernelLinear, QuantizedExperts, QuantizedFeedForward, QuantizedLinear
-from .sharding import slice_weight, tensor_fields
+from .sharding import merge_weights, slice_weight, tensor_fields
 
 log = logging.getLogger("llama_lite.quantization")
+
+
+# Rows of a 2-D weight quantized at a time (int4 / fp8 / w4a8): 16384 x 5120 fp32 = 320 MiB.
+ROWS_PER_PIECE = 16384
 
 
 def quantize_weight(w: torch.Tensor, fmt: str, group_size: int = 128, fp8_activation_scale_ub: float = 1200.0,
@@ -45,6 +49,12 @@ def quantize_weight(w: torch.Tensor, fmt: str, group_size: int = 128, fp8_activa
         raise ConfigError(f"group size {group_size} does not divide the weight's input size {k}")
     if fmt == "nvfp4" and k % 16:
         raise ConfigError(f"nvfp4 needs input sizes divisible by 16, got {k}")
+    if fmt in ("int4", "fp8", "w4a8") and w.dim() == 2 and w.shape[0] > ROWS_PER_PIECE:
+        # Rows quantize independently in these formats: a large matrix (the output layer) goes in
+        # pieces, so its fp32 temporaries never exceed one piece.
+        pieces = [quantize_weight(w[i : i + ROWS_PER_PIECE], fmt, group_size, fp8_activation_scale_ub)
+                  for i in range(0, w.shape[0], ROWS_PER_PIECE)]
+        return merge_weights(pieces, "N")
     if fmt == "int4":
         return quantize_int4(w, group_size)
     if fmt == "fp8":

@@ -97,6 +97,26 @@ def test_tensor_parallel_gives_the_same_tokens(tiny_ckpt, tmp_path):
         assert two[mode]["greedy"][0][:2] == one[mode]["greedy"][0][:2], mode
 
 
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "w4a8"])
+def test_large_weights_quantize_in_pieces_to_the_same_values(fmt, monkeypatch):
+    """Row-wise formats quantize a tall matrix in pieces of rows (bounded temporaries); the
+    pieces join into exactly what quantizing it whole gives."""
+    import quantization.convert as convert
+    from quantization.sharding import tensor_fields
+
+    w = (torch.randn(5 * 48 + 7, 256) * torch.logspace(-3, 1, 5 * 48 + 7).unsqueeze(1)).to(torch.bfloat16)
+    whole = quantize_weight(w, fmt)
+    monkeypatch.setattr(convert, "ROWS_PER_PIECE", 48)
+    calls = []
+    real = convert.merge_weights
+    monkeypatch.setattr(convert, "merge_weights", lambda parts, split: calls.append(len(parts)) or real(parts, split))
+    pieces = quantize_weight(w, fmt)
+    assert calls == [6]
+    assert type(pieces) is type(whole)
+    for name, t in tensor_fields(whole).items():
+        assert torch.equal(getattr(pieces, name), t), name
+
+
 def test_group_size_must_divide(tiny_ckpt, dist1):
     with pytest.raises(ConfigError, match="group size 96 does not divide"):
         build(tiny_ckpt, "int4_mixed", group_size=96, max_seq_len=32, max_batch_size=1, progress=False)
