@@ -38,15 +38,20 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(q >= 8, q - 16, q).to(torch.int8)
 
 
+# e2m1 code of a magnitude, looked up by twice the magnitude (0, 1, 2, 3, 4, 6, 8, 12 -> codes 0..7);
+# -1 marks what is not an e2m1 magnitude.
+_FP4_CODE_BY_TWICE = torch.tensor([0, 1, 2, 3, 4, -1, 5, -1, 6, -1, -1, -1, 7], dtype=torch.int16)
+
+
 def fp4_codes(values: torch.Tensor) -> torch.Tensor:
     """Values already on the e2m1 grid -> 4-bit codes (uint8). Off-grid values are an error."""
     v = values.float()
-    mag = v.abs()
-    grid = FP4_VALUES[:8].to(v.device)
-    idx = torch.searchsorted(grid, mag.contiguous()).clamp_(max=7)
-    if not torch.equal(grid[idx], mag):
+    twice = v.abs() * 2
+    t = torch.nan_to_num(twice, nan=0.0).clamp(max=12).to(torch.int32)  # grid magnitudes double to integers
+    code = _FP4_CODE_BY_TWICE.to(v.device)[t]
+    if not (torch.equal(t.float(), twice) and bool((code >= 0).all())):
         raise ValueError("fp4_codes expects values on the e2m1 grid; quantize them first")
-    return (idx | (torch.signbit(v).to(torch.int64) << 3)).to(torch.uint8)
+    return (code | (torch.signbit(v).to(torch.int16) << 3)).to(torch.uint8)
 
 
 def pack_fp4(values: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,11 @@ from kernels.formats import (
     NVFP4Weight,
     W4A8Weight,
     dequantize_weight,
+    fp4_codes,
     pack_fp4,
     pack_int4,
     select_expert,
+    unpack_fp4,
 )
 
 E4M3_GRID = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
@@ -188,3 +190,14 @@ def test_nvfp4_activation_scales_and_values():
     assert ((deq - x).abs() <= scale * 1.0 + 1e-7).all()
     with pytest.raises(ValueError, match="divisible by 16"):
         R.quantize_nvfp4_activations(torch.randn(2, 40), g)
+
+
+def test_fp4_codes_round_trip_and_reject_off_grid_values():
+    codes = fp4_codes(FP4_VALUES)
+    assert codes.tolist() == list(range(16))  # -0.0 keeps its sign bit: code 8
+    values = FP4_VALUES[torch.randint(0, 16, (33, 64))]
+    back = unpack_fp4(pack_fp4(values))
+    assert torch.equal(back, values) and torch.equal(torch.signbit(back), torch.signbit(values))
+    for bad in (0.25, 2.5, 5.0, 7.0, -12.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="e2m1 grid"):
+            fp4_codes(torch.tensor([1.0, bad]))
