@@ -510,11 +510,20 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def normalized_vs(r: dict, base: Optional[dict]) -> Optional[float]:
+    """Decode speed relative to ``base`` per GB/s of the streaming read measured in each one's own
+    runs: modes measured minutes apart on a shared machine meet different memory bandwidth, and
+    this ratio takes that out (peers have no streaming read: None)."""
+    if not base or not r.get("stream_gb_s") or not base.get("stream_gb_s") or not r.get("decode_b1_tok_s"):
+        return None
+    return (r["decode_b1_tok_s"] / r["stream_gb_s"]) / (base["decode_b1_tok_s"] / base["stream_gb_s"])
+
+
 def markdown_table(results: list[dict]) -> str:
     bf16 = next((r for r in results if r["engine"] == "llama-lite" and r["mode"] == "bf16" and "error" not in r), None)
     base = bf16.get("decode_b1_tok_s") if bf16 else None
     head = ["engine", "mode", "decode b1 tok/s", "decode b8 tok/s", "prefill tok/s", "TTFT s", "GB/token",
-            "roofline tok/s", "% roofline", "others' CPU %", "vs lite bf16", "load s", "load peak RSS GiB (anon)",
+            "roofline tok/s", "% roofline", "others' CPU %", "vs lite bf16 (per GB/s)", "load s", "load peak RSS GiB (anon)",
             "run peak RSS GiB (anon)", "weights + KV GiB"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
@@ -522,6 +531,7 @@ def markdown_table(results: list[dict]) -> str:
             rows.append(f"| {r['engine']} | {r['mode']} | error: {r['error'][:120]} |" + " |" * (len(head) - 3))
             continue
         vs = r["decode_b1_tok_s"] / base if base and r.get("decode_b1_tok_s") else None
+        norm = normalized_vs(r, bf16)
         weights = r.get("weights_gib")
         mem_need = weights + r["kv_cache_gib"] if weights is not None else None
         run_rss = r.get("run_peak_rss_gib")
@@ -534,7 +544,7 @@ def markdown_table(results: list[dict]) -> str:
             _fmt(r.get("prefill_tok_s"), 1), _fmt(r.get("ttft_s")),
             _fmt(r["bytes_per_token"] / 1e9 if r.get("bytes_per_token") else None, 3),
             _fmt(r.get("roofline_tok_s")), _fmt(r.get("roofline_pct"), 0), _fmt(r.get("others_cpu_pct"), 0),
-            _fmt(vs) + "x" if vs else "-",
+            (_fmt(vs) + "x" if vs else "-") + (f" ({_fmt(norm)}x)" if norm else ""),
             _fmt(r.get("load_s"), 1),
             f"{_fmt(r.get('load_peak_rss_gib'))} ({_fmt(r.get('load_peak_anon_gib'))})",
             f"{_fmt(run_rss)} ({_fmt(run_anon)})" if run_rss is not None else "-",
@@ -565,9 +575,10 @@ def check_targets(results: list[dict], preset: str) -> list[dict]:
     for mode, r in lite.items():
         if mode == "bf16":
             continue
-        target(f"{mode} decode % of roofline", r.get("roofline_pct"), 60 if mode == "int4_mixed" else 50, "%")
-        if bf16:
-            target(f"{mode} decode vs bf16", r["decode_b1_tok_s"] / bf16["decode_b1_tok_s"], 1.0, "x")
+        if mode != "int4_all":  # int4_all's goal is llama.cpp's Q4_0 speed (below); its % is in the table
+            target(f"{mode} decode % of roofline", r.get("roofline_pct"), 60 if mode == "int4_mixed" else 50, "%")
+        if bf16:  # per GB/s of streaming read (see normalized_vs); the raw ratio is in the table
+            target(f"{mode} decode vs bf16, per GB/s", normalized_vs(r, bf16), 1.0, "x")
     int4 = lite.get("int4_mixed")
     if int4 and int4.get("load_peak_rss_gib") and int4.get("weights_gib") is not None:
         need = int4["weights_gib"] + int4.get("kv_cache_gib", 0)
@@ -735,7 +746,9 @@ def main(
     print(markdown_table(results))
     print("\nRoofline: weight bytes per decoded token / bandwidth of a plain streaming read measured around each "
           "decode run. RSS in GiB (anonymous memory in parentheses; bf16 weights are memory-mapped file pages); "
-          "run RSS excludes the benchmark's read buffer.")
+          "run RSS excludes the benchmark's read buffer. \"vs lite bf16\": decode tokens/s over bf16's, and in "
+          "parentheses the same per GB/s of streaming read measured in each one's own runs (modes run minutes apart, "
+          "and the machine's bandwidth drifts in between).")
     print(f"Load average {info['load_avg_start'][0]:.1f} at the start, {info['load_avg_end'][0]:.1f} at the end "
           f"({info['cpus']} CPUs). \"others' CPU %\": the machine's CPU time other processes took during the decode "
           "runs; when another process keeps a core busy, every multi-threaded op waits for its thread on that core "
