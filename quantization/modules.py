@@ -43,10 +43,10 @@ class QuantizedFeedForward(nn.Module):
         return type(self.w1).__name__
 
 
-class QuantizedLinear(nn.Module):
-    """A column- or row-parallel linear layer with a quantized weight."""
+class _ParallelKernelLinear(nn.Module):
+    """A column- or row-parallel linear layer whose product is ``kernels.linear``."""
 
-    def __init__(self, weight: QuantizedWeight, parallel: str, gather_output: bool = False):
+    def __init__(self, weight, parallel: str, gather_output: bool = False):
         super().__init__()
         self.weight, self.parallel, self.gather_output = weight, parallel, gather_output
 
@@ -56,28 +56,27 @@ class QuantizedLinear(nn.Module):
             return reduce_from_model_parallel_region(out)
         return gather_from_model_parallel_region(out) if self.gather_output else out
 
+
+class QuantizedLinear(_ParallelKernelLinear):
+    """A column- or row-parallel linear layer with a quantized weight."""
+
+    def __init__(self, weight: QuantizedWeight, parallel: str, gather_output: bool = False):
+        super().__init__(weight, parallel, gather_output)
+
     def extra_repr(self) -> str:
         return f"{type(self.weight).__name__}, {self.parallel}-parallel"
 
 
-class KernelLinear(nn.Module):
+class KernelLinear(_ParallelKernelLinear):
     """A column- or row-parallel linear layer left in bf16, computed by ``kernels.linear``.
 
     Same weight and numbers as the core's layer (fp32 accumulation, bf16 result); it exists so
-    that on a CPU the layers a mode leaves in bf16 (attention, output, shared expert) also use the
-    kernels' GEMV, which reads a bf16 weight faster at decode than PyTorch's matrix-vector product.
+    that on a CPU the layers a mode leaves in bf16 (attention, output) also use the kernels'
+    GEMV, which reads a bf16 weight faster at decode than PyTorch's matrix-vector product.
     """
 
     def __init__(self, weight: torch.Tensor, parallel: str, gather_output: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.parallel, self.gather_output = parallel, gather_output
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = kernels.linear(x, self.weight)
-        if self.parallel == "row":
-            return reduce_from_model_parallel_region(out)
-        return gather_from_model_parallel_region(out) if self.gather_output else out
+        super().__init__(nn.Parameter(weight, requires_grad=False), parallel, gather_output)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, {self.weight.dtype}, {self.parallel}-parallel"

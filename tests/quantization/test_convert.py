@@ -78,6 +78,29 @@ def test_modules_swapped_per_mode(tiny_ckpt, dist1):
     assert every(TOKENS, 0).isfinite().all()
 
 
+def test_bf16_layers_run_on_the_kernels_gemv_with_the_same_numbers(tiny_ckpt, dist1):
+    """On a CPU in bf16 the layers a mode leaves unquantized become KernelLinear (mode none too);
+    prefill equals the core's layers exactly, decode within bf16 rounding and with the same argmax."""
+    from functools import partial
+
+    from quantization.convert import convert_to_quantized_model
+    from quantization.modules import KernelLinear
+
+    for mode in ("none", "int4_mixed"):
+        fast = build(tiny_ckpt, mode, max_seq_len=32, max_batch_size=2, progress=False).model
+        assert isinstance(fast.layers[0].attention.wq, KernelLinear) and isinstance(fast.output, KernelLinear)
+        loader = partial(convert_to_quantized_model, quantization_mode=mode, progress=False, prepare=False)
+        core = Llama4.build(tiny_ckpt, max_seq_len=32, max_batch_size=2, convert=loader).model
+        assert not isinstance(core.layers[0].attention.wq, KernelLinear)
+        tokens = TOKENS[:2, :9]
+        assert torch.equal(fast(tokens, 0), core(tokens, 0))
+        for pos in range(9, 12):
+            step = TOKENS[:2, pos : pos + 1]
+            a, b = fast(step, pos), core(step, pos)
+            assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 @pytest.mark.slow
 def test_tensor_parallel_gives_the_same_tokens(tiny_ckpt, tmp_path):
     """TP=2 vs TP=1 (both fp32, so only the quantization can differ).
