@@ -566,12 +566,13 @@ def _gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
     """x [..., K] @ W.T for bf16 x and W with the C GEMV, or None where it does not apply."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
-    if x2.shape[0] > BF16_GEMV_MAX_ROWS or w.stride(1) != 1 or w.device.type != "cpu" or load_library() is None:
+    lib = load_library()
+    if x2.shape[0] > BF16_GEMV_MAX_ROWS or w.stride(1) != 1 or w.device.type != "cpu" or lib is None:
         return None
     x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
-    load_library().llk_gemv_bf16(w.data_ptr(), w.stride(0), n, k, x2.data_ptr(), k, x2.shape[0], out.data_ptr(), n,
-                                 torch.get_num_threads())  # fmt: skip
+    lib.llk_gemv_bf16(w.data_ptr(), w.stride(0), n, k, x2.data_ptr(), k, x2.shape[0], out.data_ptr(), n,
+                      torch.get_num_threads())  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
 

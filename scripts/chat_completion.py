@@ -87,8 +87,9 @@ def main(
         tokenizer_path: A tokenizer.model to use instead of the checkpoint folder's (or llama-models' copy).
         dtype: Number format of weights and activations, bf16 or fp32. fp32 takes twice the memory, gives
             the same greedy tokens at every world size, and is faster on CPUs without bf16 arithmetic.
-        kernels: Compute path of quantized layers: auto (fastest correct one for the device), reference
-            (plain torch), cpu (CPU fast paths) or triton (CUDA GPUs).
+        kernels: Compute path of quantized layers (and, on a CPU in bf16, of the layers left in bf16):
+            auto (fastest correct one for the device), reference (plain torch), cpu (CPU fast paths) or
+            triton (CUDA GPUs).
     """
     ckpt = path_flag("checkpoint_dir", checkpoint_dir)
     prompt = text_flag("prompt", prompt)
