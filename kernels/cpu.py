@@ -1,43 +1,48 @@
-"""CPU fast paths: a small AVX-512/AMX C++ library (kernels/csrc/llk.cpp) driven through ctypes.
+"""CPU fast paths: small C++ libraries (kernels/csrc) driven through ctypes, one per instruction set.
 
-Why a C library, and why this shape:
-* Decode (a few rows) is bound by reading the weights once. PyTorch has no CPU kernel that reads
-  fp8/w4a8/nvfp4 weights at memory speed (``torch._scaled_mm`` on CPU takes ~400 ms for a
-  4096 x 4096 GEMV; fp8 -> bf16 ``.to()`` runs at ~0.1 G values/s), and its int4 kernel
-  (``_weight_int4pack_mm_for_cpu``) reaches ~2/3 of the bandwidth at batch 1 and is slower than
-  bf16 at batch 8. ``llk_gemv`` (1-``GEMV_MAX_ROWS`` rows per expert) decodes weights to fp32 in
-  registers (table lookups, group scale folded into the table) and uses fp32 FMAs: on these Xeons
-  ``vdpbf16ps`` has half the MAC rate of fp32 FMA.
-* More rows are MAC-bound on AVX-512 (2 cores). ``llk_amx`` decodes 32 weight rows x 128-256 K
-  values at a time to bf16 (exact for every format) into an L1 buffer and multiplies it with all
-  activation rows on AMX, fp32 accumulation; group scales that are not exact in bf16 (int4, w4a8)
-  are applied to each group's fp32 partial sum. One pass over the weights, whatever the batch.
-* Without AMX, many rows go through ``llk_dequant_bf16`` (bf16 weight tiles of
-  ``PREFILL_TILE_N`` rows, never the whole matrix) and oneDNN's bf16 GEMM.
-* Weights are used exactly as stored (no repacked copy: no extra memory); ``prepare`` caches only
-  small things (scales in the dtype the kernel reads, per-expert factors, the C argument block).
-  The activations are permuted to the order in which the kernels decode weights, once per call.
-* Built once per (source, compiler, flags) into a user cache dir with g++ (~10 s, no torch
-  headers). Without a compiler or AVX512-BF16/VBMI, int4 falls back to PyTorch's packed int4
-  kernel and the other formats to the reference path (logged once).
+Paths, best first; ``LLAMA_LITE_CPU_ISA=amx|avx512|avx2|none`` (or ``set_isa``) caps the choice,
+the default is the best this CPU has, and a cap above what the CPU has is refused:
 
-Numerics (vs kernels/reference.py), per path:
-* gemv and amx: products are exact (fp32 FMA of exact weight values; AMX bf16 x bf16 -> fp32) and
-  sums are fp32, so results differ from the reference by fp32 summation order only. Activation
-  quantization (fp8 per token, nvfp4 per 16) is bit-identical to the reference's. On the amx path
-  a fp32 / fp16 input is split into two bf16 rows (hi + lo: 16 significant bits; the dropped
-  remainder is < 2^-16 relative).
-* no-AMX prefill path: fp8, w4a8 and nvfp4 weights expand to bf16 exactly; int4 ``q * scale`` is
-  rounded to bf16 (<= 2^-9 relative per weight), and the GEMM result is rounded to bf16 before the
-  fp32 per-row/per-token/global scales are applied (one more bf16 rounding).
+* ``amx`` (Intel Sapphire Rapids and later; ``llk.cpp``): decode (a few rows per expert) through
+  ``llk_gemv``, weights decoded to fp32 in registers (table lookups, group scale folded into the
+  table) into fp32 FMAs; more rows through ``llk_amx``: 32 weight rows x 128-256 K values decoded
+  to bf16 (exact for every format) into an L1 buffer and multiplied on AMX with fp32
+  accumulation; int4's group scales, not exact in bf16, are applied to each group's fp32 sum.
+* ``avx512`` (AVX-512 with BF16 and VBMI, no AMX: AMD Zen 4/5, Ice Lake; ``llk.cpp``): the same
+  GEMV; more rows: fp32 weight tiles from the AVX2 library and PyTorch's fp32 GEMM.
+* ``avx2`` (AVX2 + FMA + F16C: most laptops, AMD Zen 1-3; ``llk_avx2.cpp``): a GEMV of the same
+  numerics built from 256-bit shuffles and FMAs; more rows: its fp32 weight tiles and PyTorch's
+  fp32 GEMM.
+* ``none`` (no compiler, ARM64, or asked for): PyTorch only. int4 through PyTorch's packed int4
+  kernel (``_weight_int4pack_mm_for_cpu``, run in fp32); fp8 / w4a8 / nvfp4 dequantized to fp32
+  one expert tile at a time (``TORCH_TILE_N`` rows, never a whole weight) for an fp32 GEMM.
+
+Why C at all: decode is bound by reading the weights once, and PyTorch has no CPU kernel that
+reads fp8 / w4a8 / nvfp4 weights at memory speed (``torch._scaled_mm`` on CPU takes ~400 ms for a
+4096 x 4096 GEMV); its bf16 ``torch.mv`` reads at ~10 GB/s on AMD EPYC where a plain streaming read
+gets ~50, so bf16 layers (attention, output, mode none) use the libraries' bf16 GEMV too.
+
+Numerics, on every path (vs kernels/reference.py): products are exact or rounded once in fp32
+(q * s as the reference, or exact weight values times the activations) and sums are fp32, so
+results differ from the reference by fp32 summation order only. Activation quantization (fp8 per
+token, nvfp4 per 16) is bit-identical to the reference's. On the amx path an fp32 / fp16 input is
+split into two bf16 rows (hi + lo: 16 significant bits; the dropped remainder is < 2^-16 relative).
+
+Weights are used exactly as stored (no repacked copy: no extra memory); ``prepare`` caches only
+small things (scales in the dtype the kernel reads, per-expert factors, the C argument block),
+per path. The activations are permuted to the order in which a library decodes weights, once per
+call. Each library is built once per (source, compiler, flags) into a user cache dir with g++
+(~10 s, no torch headers).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -54,6 +59,7 @@ from .formats import (
     Int4Weight,
     NVFP4Weight,
     W4A8Weight,
+    dequantize_weight,
     format_name,
     select_expert,
     unpack_int4,
@@ -63,32 +69,227 @@ from .reference import Weight, check_offsets
 
 log = logging.getLogger("llama_lite.kernels")
 
-W_INT4, W_FP4, W_FP8 = 0, 1, 2  # llk.cpp's WeightFormat
-S_NONE, S_BF16, S_F32, S_E4M3 = 0, 1, 2, 3  # llk.cpp's ScaleFormat
+W_INT4, W_FP4, W_FP8 = 0, 1, 2  # the libraries' WeightFormat
+S_NONE, S_BF16, S_F32, S_E4M3 = 0, 1, 2, 3  # the libraries' ScaleFormat
 
-# Rows of one expert up to which the fp32-FMA GEMV kernel beats AMX, per weight format (measured
-# one core, weights in L2: int4 / w4a8 / nvfp4 GEMV ~1.5x AMX at 1 row and ahead at 2; fp8 even at
-# 1 row and behind at 2).
-GEMV_MAX_ROWS = {W_INT4: 2, W_FP4: 2, W_FP8: 1}
-# Activation rows up to which a bf16 weight goes through the C GEMV (vdpbf16ps) rather than oneDNN.
+ISAS = ("amx", "avx512", "avx2", "none")  # best first
+
+# Rows of one expert up to which the fp32-FMA GEMV beats the path for many rows, per path and
+# weight format. amx: measured one core, weights in L2 (int4 / w4a8 / nvfp4 GEMV ~1.5x AMX at 1 row
+# and ahead at 2; fp8 even at 1 row and behind at 2). avx512 / avx2: the GEMV against fp32 tiles
+# + PyTorch's fp32 GEMM (see scripts.bench_kernels).
+GEMV_MAX_ROWS = {
+    "amx": {W_INT4: 2, W_FP4: 2, W_FP8: 1},
+    "avx512": {W_INT4: 16, W_FP4: 16, W_FP8: 16},
+    "avx2": {W_INT4: 16, W_FP4: 16, W_FP8: 16},
+}
+# Activation rows up to which a bf16 weight goes through a library's GEMV rather than PyTorch.
 BF16_GEMV_MAX_ROWS = 4
-# Without AMX: rows of one expert above which bf16 expansion + oneDNN GEMM beats the GEMV kernel.
-PREFILL_ROWS = 16
-# Weight rows expanded to bf16 at a time on the prefill path: 1024 x 5120 x 2 B = 10 MiB.
-PREFILL_TILE_N = 1024
+# Weight rows expanded to fp32 at a time for the GEMM of many rows: 512 x 5120 x 4 B = 10 MiB.
+PREFILL_TILE_N = 512
+# Weight rows dequantized at a time by PyTorch on the ``none`` path.
+TORCH_TILE_N = 512
 
-_CSRC = Path(__file__).parent / "csrc" / "llk.cpp"
-_CXXFLAGS = [
-    "-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c++17",
-    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi", "-mfma", "-mf16c",
-    "-mamx-tile", "-mamx-bf16",
-]  # fmt: skip
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi", "f16c", "fma")
+_CSRC = Path(__file__).parent / "csrc"
+_COMMON_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c++17"]
+_LIBS = {  # library -> (source, compiler flags, CPU flags it needs)
+    "avx512": (
+        _CSRC / "llk.cpp",
+        ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi", "-mfma", "-mf16c",
+         "-mamx-tile", "-mamx-bf16"],
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi", "f16c", "fma"),
+    ),
+    "avx2": (_CSRC / "llk_avx2.cpp", ["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
+}  # fmt: skip
 _AMX_FLAGS = ("amx_tile", "amx_bf16")
+_ISA_NEEDS = {  # CPU flags each path needs (the avx512 paths also use the AVX2 library)
+    "amx": _LIBS["avx512"][2] + _LIBS["avx2"][2] + _AMX_FLAGS,
+    "avx512": _LIBS["avx512"][2] + _LIBS["avx2"][2],
+    "avx2": _LIBS["avx2"][2],
+    "none": (),
+}
 
 
+# ---- which path: the CPU, the cap, the libraries
 
-# ---- building and loading the library
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_isas() -> tuple[str, ...]:
+    """The paths this CPU can run, best first; ``none`` (PyTorch only) always."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("none",)
+    flags = _cpu_flags()
+    return tuple(isa for isa in ISAS if all(f in flags for f in _ISA_NEEDS[isa]))
+
+
+_isa: Optional[str] = None  # set_isa's choice; None: LLAMA_LITE_CPU_ISA or the best
+_lock = threading.RLock()
+
+
+def _check_isa(name: str) -> str:
+    name = name.strip().lower()
+    if name not in ISAS:
+        raise ValueError(f"unknown CPU path {name!r} (LLAMA_LITE_CPU_ISA); choose one of {', '.join(ISAS)}")
+    have = cpu_isas()
+    if name not in have:
+        missing = sorted(f for f in _ISA_NEEDS[name] if f not in _cpu_flags())
+        raise ValueError(
+            f"LLAMA_LITE_CPU_ISA={name} needs CPU features this CPU lacks ({', '.join(missing) or platform.machine()}); "
+            f"it can run: {', '.join(have)}"
+        )
+    return name
+
+
+def set_isa(name: Optional[str]) -> None:
+    """Cap the CPU path for every later call (``None``: back to LLAMA_LITE_CPU_ISA or the best)."""
+    global _isa
+    with _lock:
+        _isa = None if name is None else _check_isa(name)
+
+
+def requested_isa() -> str:
+    """The cap asked for: set_isa's, else LLAMA_LITE_CPU_ISA, else the best this CPU has."""
+    if _isa is not None:
+        return _isa
+    env = os.environ.get("LLAMA_LITE_CPU_ISA", "")
+    if env not in _checked_env:
+        _checked_env[env] = _check_isa(env) if env.strip() else cpu_isas()[0]
+    return _checked_env[env]
+
+
+_checked_env: dict[str, str] = {}
+
+
+_libs: dict[str, Optional[ctypes.CDLL]] = {}
+_amx_ok: Optional[bool] = None
+_warned: set[str] = set()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LLAMA_LITE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "llama_lite"
+    )
+    return Path(root) / "kernels"
+
+
+def _compile(cxx: str, src: Path, flags: list[str], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # build under a temporary name and rename: concurrent processes never load a partial file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cxx, *_COMMON_FLAGS, *flags, "-o", tmp, str(src)], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL, kind: str) -> None:
+    i64, vp, args = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(_Args)
+    common = [
+        ("llk_abi_version", [], ctypes.c_int),
+        ("llk_gemv", [args], ctypes.c_int),
+        ("llk_gemv_bf16", [vp, i64, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int], None),
+        ("llk_quant_fp8_rows", [vp, i64, i64, i64, ctypes.c_float, vp, vp, i64, vp, ctypes.c_int], None),
+        ("llk_quant_nvfp4_rows", [vp, i64, i64, i64, vp, vp, i64, ctypes.c_int], ctypes.c_int),
+    ]
+    own = {
+        "avx512": [("llk_amx_init", [], ctypes.c_int), ("llk_amx", [args, i64, i64], ctypes.c_int)],
+        "avx2": [("llk_gemv_order", [ctypes.c_int, vp], ctypes.c_int),
+                 ("llk_dequant_f32", [args, i64, i64, i64, vp, i64], ctypes.c_int)],
+    }[kind]  # fmt: skip
+    for name, argtypes, restype in common + own:
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = restype
+
+
+def _library(kind: str) -> Optional[ctypes.CDLL]:
+    """The compiled library ``kind`` (avx512 or avx2), built on first use; None when it cannot be had."""
+    with _lock:
+        if kind in _libs:
+            return _libs[kind]
+        _libs[kind] = None
+        src, flags, _ = _LIBS[kind]
+        cxx = os.environ.get("CXX", "g++")
+        if shutil.which(cxx) is None:
+            log.warning("kernels: no C++ compiler (%s) found; CPU kernels fall back to PyTorch", cxx)
+            return None
+        try:
+            version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+            key = hashlib.sha256((src.read_text() + " ".join(_COMMON_FLAGS + flags) + version).encode()).hexdigest()[:16]
+            path = _cache_dir() / f"{src.stem}-{key}.so"
+            if not path.exists():
+                log.info("kernels: compiling %s -> %s", src.name, path)
+                _compile(cxx, src, flags, path)
+            lib = ctypes.CDLL(str(path))
+            _declare(lib, kind)
+        except (OSError, subprocess.CalledProcessError) as err:
+            detail = getattr(err, "stderr", "") or str(err)
+            log.warning("kernels: building %s failed (%s); falling back to PyTorch", src.name, detail[-500:])
+            return None
+        _libs[kind] = lib
+        return lib
+
+
+_resolved: dict[str, str] = {}
+
+
+def isa() -> str:
+    """The CPU path in force: the cap asked for, or ``none`` where its libraries cannot be built."""
+    want = requested_isa()
+    got = _resolved.get(want)
+    if got is None:
+        got = _resolved[want] = _resolve(want)
+    return got
+
+
+def _resolve(want: str) -> str:
+    global _amx_ok
+    if want == "none":
+        return "none"
+    kinds = ("avx2",) if want == "avx2" else ("avx512", "avx2")
+    if any(_library(k) is None for k in kinds):
+        if want not in _warned:
+            _warned.add(want)
+            log.warning("kernels: the %s CPU path is unavailable (no compiler or a failed build); using PyTorch", want)
+        return "none"
+    if want == "amx":
+        with _lock:
+            if _amx_ok is None:  # the kernel's permission for the tile state, once per process
+                _amx_ok = _library("avx512").llk_amx_init() == 1
+        if not _amx_ok:
+            if "amx-perm" not in _warned:
+                _warned.add("amx-perm")
+                log.warning("kernels: the OS refused the AMX tile state; using the avx512 path")
+            return "avx512"
+    return want
+
+
+def available() -> bool:
+    """Whether a C++ fast path is in use here (the path in force is not ``none``)."""
+    return isa() != "none"
+
+
+def amx_available() -> bool:
+    """Whether the AMX path is in force."""
+    return isa() == "amx"
+
+
+def _gemv_lib(path: str) -> ctypes.CDLL:
+    return _library("avx2" if path == "avx2" else "avx512")
 
 
 class _Weight(ctypes.Structure):
@@ -110,104 +311,6 @@ class _Args(ctypes.Structure):
     ]  # fmt: skip
 
 
-_lib: Optional[ctypes.CDLL] = None
-_lib_tried = False
-_lib_lock = threading.Lock()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("LLAMA_LITE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "llama_lite"
-    )
-    return Path(root) / "kernels"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-_amx = False
-
-
-def amx_available() -> bool:
-    """Whether the AMX path is in use (the library is loaded and the OS granted tile state)."""
-    return load_library() is not None and _amx
-
-
-def _compile(cxx: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # build under a temporary name and rename: concurrent processes never load a partial file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cxx, *_CXXFLAGS, "-o", tmp, str(_CSRC)], check=True, capture_output=True, text=True)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def load_library() -> Optional[ctypes.CDLL]:
-    """The compiled C library, building it on first use; None when it cannot be had here."""
-    global _lib, _lib_tried, _amx
-    with _lib_lock:
-        if _lib_tried:
-            return _lib
-        _lib_tried = True
-        if os.environ.get("LLAMA_LITE_NO_CEXT"):
-            log.info("kernels: C++ CPU kernels disabled by LLAMA_LITE_NO_CEXT")
-            return None
-        flags = _cpu_flags()
-        if not all(flag in flags for flag in _CPU_FLAGS):
-            log.info("kernels: CPU lacks AVX512-BF16/VBMI; C++ CPU kernels not used")
-            return None
-        cxx = os.environ.get("CXX", "g++")
-        if shutil.which(cxx) is None:
-            log.warning("kernels: no C++ compiler (%s) found; CPU fast paths fall back to PyTorch", cxx)
-            return None
-        try:
-            version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-            key = hashlib.sha256((_CSRC.read_text() + " ".join(_CXXFLAGS) + version).encode()).hexdigest()[:16]
-            path = _cache_dir() / f"llk-{key}.so"
-            if not path.exists():
-                log.info("kernels: compiling %s -> %s", _CSRC.name, path)
-                _compile(cxx, path)
-            lib = ctypes.CDLL(str(path))
-        except (OSError, subprocess.CalledProcessError) as err:
-            detail = getattr(err, "stderr", "") or str(err)
-            log.warning("kernels: building the C++ CPU kernels failed (%s); falling back to PyTorch", detail[-500:])
-            return None
-        i64, vp, args = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(_Args)
-        for name, argtypes, restype in (
-            ("llk_abi_version", [], ctypes.c_int),
-            ("llk_amx_init", [], ctypes.c_int),
-            ("llk_gemv", [args], ctypes.c_int),
-            ("llk_amx", [args, i64, i64], ctypes.c_int),
-            ("llk_dequant_bf16", [args, i64, i64, i64, vp, i64], ctypes.c_int),
-            ("llk_gemv_bf16", [vp, i64, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int], None),
-            ("llk_quant_fp8_rows", [vp, i64, i64, i64, ctypes.c_float, vp, vp, i64, vp, ctypes.c_int], None),
-            ("llk_quant_nvfp4_rows", [vp, i64, i64, i64, vp, vp, i64, ctypes.c_int], ctypes.c_int),
-        ):
-            getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = restype
-        # AMX needs the CPU flags and the kernel's permission for the tile state (once per process)
-        _amx = all(flag in flags for flag in _AMX_FLAGS) and not os.environ.get("LLAMA_LITE_NO_AMX") and lib.llk_amx_init() == 1
-        _lib = lib
-        return _lib
-
-
-def available() -> bool:
-    """Whether the C++ fast paths are usable on this machine."""
-    return load_library() is not None
-
-
 # ---- prepared forms
 
 
@@ -223,8 +326,8 @@ def _per_expert(t: Optional[torch.Tensor], e1: int) -> Optional[torch.Tensor]:
     return (t.expand(e1) if t.dim() == 0 else t.reshape(e1)).to(torch.float32).contiguous()
 
 
-def _kernel_layout(w: Weight) -> Optional[tuple[int, int, int]]:
-    """(weight format, scale format, group size) of the C kernel for ``w``, or None if unsupported."""
+def _kernel_layout(w: Weight, path: str) -> Optional[tuple[int, int, int]]:
+    """(weight format, scale format, group size) of the C kernels for ``w``, or None if unsupported."""
     _, _, k = weight_shape(w)
     if isinstance(w, Fp8Weight):
         return (W_FP8, S_NONE, 0) if w.weight.dtype == torch.float8_e4m3fn else None
@@ -234,107 +337,123 @@ def _kernel_layout(w: Weight) -> Optional[tuple[int, int, int]]:
         scales = w.scales if isinstance(w, Int4Weight) else w.group_scales
         sfmt = {torch.bfloat16: S_BF16, torch.float32: S_F32, torch.float16: S_F32, torch.float8_e4m3fn: S_E4M3}
         gs = w.group_size
-        if scales.dtype not in sfmt or not (gs in (32, 64) or (gs > 0 and gs % 128 == 0)) or k % gs:
+        # llk.cpp: 32, 64 or a multiple of 128; llk_avx2.cpp: 32 or a multiple of 64
+        ok = gs in (32, 64) or (gs > 0 and gs % 128 == 0) if path != "avx2" else gs == 32 or (gs > 0 and gs % 64 == 0)
+        if scales.dtype not in sfmt or not ok or k % gs:
             return None
         return W_INT4, sfmt[scales.dtype], gs
     return None
 
 
-def _build_cpu_form(w: Weight) -> dict:
-    """The cached fast-path form of ``w`` (see ``prepare``)."""
+def _llk_form(w: Weight, layout: tuple[int, int, int], path: str) -> dict:
     e, n, k = weight_shape(w)
     e1 = e or 1
-    layout = _kernel_layout(w)
-    if layout is not None and load_library() is not None:
-        wfmt, sfmt, gs = layout
-        if isinstance(w, Fp8Weight):
-            data, scales = w.weight.view(torch.uint8), None
-        else:
-            data = w.qweight
-            scales = w.scales if isinstance(w, (Int4Weight, NVFP4Weight)) else w.group_scales
-        data = data.reshape(e1, n, -1).contiguous()
-        if scales is not None:
-            if scales.dtype == torch.float16:
-                scales = scales.float()
-            scales = scales.reshape(e1, n, -1).contiguous()
-            if scales.dtype == torch.float8_e4m3fn:
-                scales = scales.view(torch.uint8)
-        rowscale = None
-        if isinstance(w, Fp8Weight):
-            rowscale = w.scale.float().reshape(e1, n).contiguous()
-        elif isinstance(w, W4A8Weight):
-            rowscale = w.channel_scales.float().reshape(e1, n).contiguous()
-        alpha = None
-        if isinstance(w, NVFP4Weight):
-            g = w.global_scale.double()
-            if w.input_global_scale is not None:
-                g = g * w.input_global_scale.double()  # activations enter as e2m1 * local
-            alpha = _per_expert(1.0 / g, e1)
-        cw = _Weight(
-            _ptr(data), data.stride(0), data.stride(1),
-            _ptr(scales), scales.stride(0) if scales is not None else 0, scales.stride(1) if scales is not None else 0,
-            _ptr(rowscale), n, _ptr(alpha),
-        )  # fmt: skip
-        form = dict(
-            path="llk", wfmt=wfmt, sfmt=sfmt, gs=gs, e=e1, n=n, k=k, data=data, scales=scales,
-            rowscale=rowscale, alpha=alpha, cweight=cw,
-        )  # fmt: skip
-        if isinstance(w, (Fp8Weight, W4A8Weight)):
-            form["act"] = "fp8"
-            form["ub"] = w.activation_scale_ub
-        elif isinstance(w, NVFP4Weight) and w.input_global_scale is not None:
-            form["act"] = "nvfp4"
-            form["g_in"] = _per_expert(w.input_global_scale, e1)
-        else:
-            form["act"] = None
-        return form
+    wfmt, sfmt, gs = layout
+    if isinstance(w, Fp8Weight):
+        data, scales = w.weight.view(torch.uint8), None
+    else:
+        data = w.qweight
+        scales = w.scales if isinstance(w, (Int4Weight, NVFP4Weight)) else w.group_scales
+    data = data.reshape(e1, n, -1).contiguous()
+    if scales is not None:
+        if scales.dtype == torch.float16:
+            scales = scales.float()
+        scales = scales.reshape(e1, n, -1).contiguous()
+        if scales.dtype == torch.float8_e4m3fn:
+            scales = scales.view(torch.uint8)
+    rowscale = None
+    if isinstance(w, Fp8Weight):
+        rowscale = w.scale.float().reshape(e1, n).contiguous()
+    elif isinstance(w, W4A8Weight):
+        rowscale = w.channel_scales.float().reshape(e1, n).contiguous()
+    alpha = None
+    if isinstance(w, NVFP4Weight):
+        g = w.global_scale.double()
+        if w.input_global_scale is not None:
+            g = g * w.input_global_scale.double()  # activations enter as e2m1 * local
+        alpha = _per_expert(1.0 / g, e1)
+    cw = _Weight(
+        _ptr(data), data.stride(0), data.stride(1),
+        _ptr(scales), scales.stride(0) if scales is not None else 0, scales.stride(1) if scales is not None else 0,
+        _ptr(rowscale), n, _ptr(alpha),
+    )  # fmt: skip
+    form = dict(
+        path=path, wfmt=wfmt, sfmt=sfmt, gs=gs, e=e1, n=n, k=k, data=data, scales=scales,
+        rowscale=rowscale, alpha=alpha, cweight=cw,
+    )  # fmt: skip
+    if isinstance(w, (Fp8Weight, W4A8Weight)):
+        form["act"] = "fp8"
+        form["ub"] = w.activation_scale_ub
+    elif isinstance(w, NVFP4Weight) and w.input_global_scale is not None:
+        form["act"] = "nvfp4"
+        form["g_in"] = _per_expert(w.input_global_scale, e1)
+    else:
+        form["act"] = None
+    return form
+
+
+def _build_cpu_form(w: Weight, path: str) -> dict:
+    """The cached form of ``w`` for CPU path ``path`` (see ``prepare``)."""
+    e, n, k = weight_shape(w)
+    e1 = e or 1
+    if path != "none":
+        layout = _kernel_layout(w, path)
+        if layout is not None:
+            return _llk_form(w, layout, path)
+    form = dict(path="torch", e=e1, n=n, k=k)
     if isinstance(w, Int4Weight) and n % 16 == 0 and k % w.group_size == 0 and w.group_size in (32, 64, 128, 256):
-        # No C library: PyTorch's packed int4 kernel takes unsigned values with a zero point,
-        # w = (u - 8) * scale + zero; u = q + 8 and zero = 0 are our symmetric values exactly.
+        # PyTorch's packed int4 kernel, in fp32 (fp32 activations, scales and accumulation), takes
+        # unsigned values with a zero point, w = (u - 8) * scale + zero; u = q + 8 and zero = 0
+        # are ours exactly.
         packs = []
         for i in range(e1):
             wi = w if e is None else select_expert(w, i)
             u = (unpack_int4(wi.qweight).to(torch.int32) + 8).contiguous()
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
-            sz = torch.stack((wi.scales.to(torch.bfloat16).T, torch.zeros_like(wi.scales.T, dtype=torch.bfloat16)), -1)
+            sz = torch.stack((wi.scales.float().T, torch.zeros_like(wi.scales.T, dtype=torch.float32)), -1)
             packs.append((packed, sz.contiguous()))
-        return dict(path="int4pack", e=e1, n=n, k=k, gs=w.group_size, packs=packs)
-    return dict(path="reference", e=e1, n=n, k=k)
+        form.update(int4pack=packs, gs=w.group_size)
+    return form
 
 
 def prepare(w: Weight, device=None) -> None:
-    """Build the CPU fast-path form of ``w`` once and cache it in ``w.prepared["cpu"]``; idempotent."""
-    if isinstance(w, torch.Tensor) or "cpu" in w.prepared:
-        return
-    w.prepared["cpu"] = _build_cpu_form(w)
+    """Build the form of ``w`` for the CPU path in force once and cache it in ``w.prepared``; idempotent."""
+    _form(w)
 
 
 def _form(w: Weight) -> dict:
-    prepare(w)
-    return w.prepared["cpu"]
+    path = isa()
+    forms = w.prepared.setdefault("cpu", {})
+    if path not in forms:
+        forms[path] = _build_cpu_form(w, path)
+    return forms[path]
 
 
 def describe(w: Weight) -> str:
     """Which CPU path ``w`` takes, in words (for the dispatch log line)."""
+    path = isa()
     if isinstance(w, torch.Tensor):
-        return "cpu/torch-matmul"
-    path = _form(w)["path"]
-    if path == "llk":
-        big = "AMX fused dequant-GEMM" if amx_available() else f"bf16 expansion + oneDNN GEMM above {PREFILL_ROWS} rows"
-        rows = GEMV_MAX_ROWS[_form(w)["wfmt"]] if amx_available() else PREFILL_ROWS
-        return f"cpu/llk: fp32-FMA fused dequant-GEMV up to {rows} rows per expert, {big}"
-    if path == "int4pack":
-        return "cpu/torch _weight_int4pack_mm_for_cpu"
-    return "cpu/reference fallback (no C++ kernel for this layout or machine)"
+        if path == "none" or w.dtype != torch.bfloat16:
+            return "cpu/none: PyTorch matmul"
+        return f"cpu/{path}: bf16 GEMV up to {BF16_GEMV_MAX_ROWS} rows, PyTorch above"
+    form = _form(w)
+    if form["path"] == "torch":
+        why = "" if path == "none" else " (no C kernel for this layout)"
+        if "int4pack" in form:
+            return f"cpu/none{why}: PyTorch _weight_int4pack_mm_for_cpu in fp32"
+        return f"cpu/none{why}: PyTorch, fp32 tiles of {TORCH_TILE_N} rows"
+    rows = GEMV_MAX_ROWS[path][form["wfmt"]]
+    big = "AMX fused dequant-GEMM" if path == "amx" else "fp32 weight tiles + PyTorch fp32 GEMM"
+    return f"cpu/{path}: fp32-FMA fused dequant-GEMV up to {rows} rows per expert, {big} above"
 
 
 # ---- activation preparation
 
 
-_perm_cache: dict[tuple[str, int], torch.Tensor] = {}
+_perm_cache: dict[tuple, torch.Tensor] = {}
 
 
-def _block_order(order: str, wfmt: int) -> torch.Tensor:
+def _block_order_avx512(order: str, wfmt: int) -> torch.Tensor:
     """K positions of one 64-byte weight block, in the order llk.cpp's decoders produce them."""
     if order == "tile":
         if wfmt == W_FP8:  # z[j] word 8L+t <- 16L+8j+t
@@ -344,7 +463,7 @@ def _block_order(order: str, wfmt: int) -> torch.Tensor:
         c, j = torch.meshgrid(torch.arange(4), torch.arange(32), indexing="ij")
         return (32 * c + 4 * (j % 8) + j // 8).flatten()
     if wfmt == W_FP8:  # vectors z0.even, z0.odd, z1.even, z1.odd; word w of z[j] <- 16(w/8) + 8j + w%8
-        tile = _block_order("tile", W_FP8).view(2, 16, 2)  # [j, pair, even/odd]
+        tile = _block_order_avx512("tile", W_FP8).view(2, 16, 2)  # [j, pair, even/odd]
         return tile.permute(0, 2, 1).flatten()
     # 4-bit gemv: per 16 bytes c, lo lane i <- 32c + 2 b(i), hi lane i <- 32c + 2 b(i) + 1,
     # b(i) = 4 (i % 4) + i / 4
@@ -352,21 +471,31 @@ def _block_order(order: str, wfmt: int) -> torch.Tensor:
     return (32 * c + 2 * (4 * (i % 4) + i // 4) + h).flatten()
 
 
-def _perm(order: str, wfmt: int, k: int) -> torch.Tensor:
+def _block_order(lib: str, order: str, wfmt: int) -> torch.Tensor:
+    if lib == "avx512":
+        return _block_order_avx512(order, wfmt)
+    buf = (ctypes.c_int32 * 64)()
+    count = _library("avx2").llk_gemv_order(wfmt, buf)
+    return torch.tensor(list(buf[:count]), dtype=torch.long)
+
+
+def _perm(lib: str, order: str, wfmt: int, k: int) -> torch.Tensor:
     """Gather index [Kp] turning x [.., K] (with a zero column appended at K) into kernel order."""
-    key = (order, wfmt, k)
+    key = (lib, order, wfmt, k)
     if key not in _perm_cache:
-        blk = _block_order(order, wfmt)
+        blk = _block_order(lib, order, wfmt)
         nblk = -(-k // blk.numel())
         idx = (torch.arange(nblk).unsqueeze(1) * blk.numel() + blk).flatten()
         _perm_cache[key] = torch.where(idx < k, idx, k)
     return _perm_cache[key]
 
 
-def _permute(x: torch.Tensor, order: str, wfmt: int) -> torch.Tensor:
+def _permute(x: torch.Tensor, lib: str, order: str, wfmt: int) -> torch.Tensor:
     """x [T, K] -> contiguous [T, Kp] in kernel order, zero padded, same dtype."""
-    perm = _perm(order, wfmt, x.shape[1])
+    perm = _perm(lib, order, wfmt, x.shape[1])
     if perm.numel() == x.shape[1]:  # K fills whole blocks: no padding column needed
+        if lib == "avx2" and wfmt == W_FP8:
+            return x.contiguous()  # fp8 decodes in K order
         return x.index_select(1, perm)
     return torch.cat((x, x.new_zeros(x.shape[0], 1)), dim=1).index_select(1, perm)
 
@@ -384,7 +513,7 @@ def _activations(form: dict, x: torch.Tensor, off: list[int]) -> tuple[torch.Ten
     Quantized activations come back exactly (e4m3 values; nvfp4 as e2m1 * local scale, the global
     scale being in the weight's alpha).
     """
-    lib = load_library()
+    lib = _gemv_lib(form["path"])
     nt = torch.get_num_threads()
     if form["act"] is None:
         return x if x.dtype == torch.float32 else x.float(), None
@@ -439,16 +568,17 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} rejected a layout that prepare() accepted")  # a bug, not a user error
 
 
-def _prefill_expert(form: dict, xe: torch.Tensor, e: int, tok: Optional[torch.Tensor]) -> torch.Tensor:
-    """fp32 [rows, N] for one expert without AMX: bf16 weight tiles (tile order) times xe with oneDNN."""
+def _tile_expert(form: dict, xe: torch.Tensor, e: int, tok: Optional[torch.Tensor]) -> torch.Tensor:
+    """fp32 [rows, N] for one expert: exact fp32 weight tiles (AVX2 library order) times xe, fp32 GEMM."""
     n, kp = form["n"], xe.shape[1]
     out = torch.empty(xe.shape[0], n, dtype=torch.float32)
-    buf = torch.empty(min(PREFILL_TILE_N, n), kp, dtype=torch.bfloat16)
+    buf = torch.empty(min(PREFILL_TILE_N, n), kp, dtype=torch.float32)
     a = _args(form, buf, None, None, None, None, None)
+    lib = _library("avx2")
     for n0 in range(0, n, PREFILL_TILE_N):
         n1 = min(n0 + PREFILL_TILE_N, n)
-        _check(load_library().llk_dequant_bf16(ctypes.byref(a), e, n0, n1, buf.data_ptr(), kp), "llk_dequant_bf16")
-        out[:, n0:n1] = torch.mm(xe, buf[: n1 - n0].T)
+        _check(lib.llk_dequant_f32(ctypes.byref(a), e, n0, n1, buf.data_ptr(), kp), "llk_dequant_f32")
+        out[:, n0:n1] = xe @ buf[: n1 - n0].T
     if form["rowscale"] is not None:
         out *= form["rowscale"][e]
     if form["alpha"] is not None:
@@ -463,29 +593,29 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
 
     With ``form3`` (W3 of a SwiGLU), the result is silu(x W1.T) * (x W3.T).
     """
-    lib = load_library()
+    path = form["path"]
+    lib, lib_name = _gemv_lib(path), ("avx2" if path == "avx2" else "avx512")
     e1, n, wfmt = form["e"], form["n"], form["wfmt"]
     t = x.shape[0]
     xa, tok = _activations(form, x, off)
     # every row is written when the experts' rows cover all of x; otherwise the rest must be zero
     out = (torch.empty if off[0] == 0 and off[-1] == t else torch.zeros)(t, n, dtype=torch.float32)
     counts = [b - a for a, b in zip(off, off[1:])]
-    use_amx = amx_available()
-    limit = GEMV_MAX_ROWS[wfmt] if use_amx else PREFILL_ROWS
+    limit = GEMV_MAX_ROWS[path][wfmt]
     small = [0 < c <= limit for c in counts]
     if any(small):
         starts = _rows_array([off[i] if small[i] else 0 for i in range(e1)])
         ends = _rows_array([off[i + 1] if small[i] else 0 for i in range(e1)])
-        xg = _permute(xa, "gemv", wfmt)
+        xg = _permute(xa, lib_name, "gemv", wfmt)
         _check(lib.llk_gemv(ctypes.byref(_args(form, xg, tok, out, starts, ends, form3))), "llk_gemv")
     large = [i for i in range(e1) if counts[i] > limit]
     if not large:
         return out
-    # bf16 activations in tile order; a fp32 input that is not exactly bf16 goes in as hi + lo rows
-    exact = form["act"] is not None or x.dtype == torch.bfloat16
-    rep = 1 if exact else 2
-    xt = _permute(xa.to(torch.bfloat16) if exact else _split_bf16(xa), "tile", wfmt)
-    if use_amx:
+    if path == "amx":
+        # bf16 activations in tile order; a fp32 input that is not exactly bf16 goes in as hi + lo rows
+        exact = form["act"] is not None or x.dtype == torch.bfloat16
+        rep = 1 if exact else 2
+        xt = _permute(xa.to(torch.bfloat16) if exact else _split_bf16(xa), "avx512", "tile", wfmt)
         out_t = out if rep == 1 else torch.zeros(t * rep, n, dtype=torch.float32)
         starts = _rows_array([a * rep for a in off[:-1]])
         ends = _rows_array([a * rep for a in off[1:]])
@@ -497,22 +627,51 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
             for i in large:
                 out[off[i] : off[i + 1]] = summed[off[i] : off[i + 1]]
         return out
+    xt = _permute(xa, "avx2", "gemv", wfmt)
     for i in large:
-        rows = slice(off[i] * rep, off[i + 1] * rep)
-        tok_i = tok[off[i] : off[i + 1]] if tok is not None else None
-        y = _prefill_expert(form, xt[rows], i, tok_i)
+        rows = slice(off[i], off[i + 1])
+        tok_i = tok[rows] if tok is not None else None
+        y = _tile_expert(form, xt[rows], i, tok_i)
         if form3 is not None:
-            y = F.silu(y) * _prefill_expert(form3, xt[rows], i, tok_i)
-        out[off[i] : off[i + 1]] = y if rep == 1 else y.view(-1, 2, n).sum(dim=1)
+            y = F.silu(y) * _tile_expert(form3, xt[rows], i, tok_i)
+        out[rows] = y
     return out
 
 
-# ---- int4pack fallback
+# ---- PyTorch-only path
 
 
-def _int4pack_rows(form: dict, x: torch.Tensor, e: int) -> torch.Tensor:
-    packed, sz = form["packs"][e]
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), packed, form["gs"], sz)
+def _row_slice(w: Weight, n0: int, n1: int) -> Weight:
+    """Rows n0:n1 of a 2-D weight, same format (scales and per-row factors sliced alike)."""
+    if isinstance(w, Int4Weight):
+        return Int4Weight(w.qweight[n0:n1], w.scales[n0:n1], w.group_size)
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(w.weight[n0:n1], w.scale[n0:n1], w.activation_scale_ub)
+    if isinstance(w, W4A8Weight):
+        return W4A8Weight(w.qweight[n0:n1], w.group_scales[n0:n1], w.channel_scales[n0:n1], w.group_size,
+                          w.activation_scale_ub)  # fmt: skip
+    return NVFP4Weight(w.qweight[n0:n1], w.scales[n0:n1], w.global_scale, w.input_global_scale)
+
+
+def _torch_rows(form: dict, x: torch.Tensor, w: Weight, e: int) -> torch.Tensor:
+    """fp32 [rows, N] of x times one expert's 2-D weight ``w``, PyTorch only."""
+    if "int4pack" in form:
+        packed, sz = form["int4pack"][e]
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.float().contiguous(), packed, form["gs"], sz)
+    # the reference's activation quantization once, then fp32 weight tiles
+    tok = None
+    if isinstance(w, (Fp8Weight, W4A8Weight)):
+        xq, tok = reference.quantize_fp8_per_token(x, w.activation_scale_ub)
+        xa = xq.float()
+    elif isinstance(w, NVFP4Weight) and w.input_global_scale is not None:
+        xa = reference.fake_quantize_nvfp4_activations(x, w.input_global_scale)
+    else:
+        xa = x.float()
+    out = torch.empty(x.shape[0], form["n"], dtype=torch.float32)
+    for n0 in range(0, form["n"], TORCH_TILE_N):
+        n1 = min(n0 + TORCH_TILE_N, form["n"])
+        out[:, n0:n1] = xa @ dequantize_weight(_row_slice(w, n0, n1)).T
+    return out if tok is None else out * tok
 
 
 # ---- public functions (same signatures as kernels.reference)
@@ -524,27 +683,25 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(-1, k)
 
 
-def _grouped_fp32(x2: torch.Tensor, off: list[int], w: Weight, form3_w: Optional[Weight] = None) -> torch.Tensor:
+def _grouped_fp32(x2: torch.Tensor, off: list[int], w: Weight) -> torch.Tensor:
     """fp32 [T, N] of x2 [T, K] grouped by ``off`` (one group for a 2-D weight), any path."""
     if isinstance(w, torch.Tensor):
         w3 = w.unsqueeze(0) if w.dim() == 2 else w
         out = torch.zeros(x2.shape[0], w3.shape[1], dtype=torch.float32)
         for i in range(w3.shape[0]):
             if off[i + 1] > off[i]:
-                out[off[i] : off[i + 1]] = F.linear(x2[off[i] : off[i + 1]], w3[i].to(x2.dtype)).float()
+                rows = x2[off[i] : off[i + 1]]
+                fast = _gemv_bf16(rows, w3[i]) if rows.dtype == w3.dtype else None
+                out[off[i] : off[i + 1]] = fast if fast is not None else F.linear(rows, w3[i].to(x2.dtype))
         return out
     form = _form(w)
-    if form["path"] == "llk":
+    if form["path"] != "torch":
         return _run(form, x2, off)
     out = torch.zeros(x2.shape[0], form["n"], dtype=torch.float32)
     e = weight_shape(w)[0]
     for i in range(form["e"]):
         if off[i + 1] > off[i]:
-            rows = x2[off[i] : off[i + 1]]
-            if form["path"] == "int4pack":
-                out[off[i] : off[i + 1]] = _int4pack_rows(form, rows, i).float()
-            else:
-                out[off[i] : off[i + 1]] = reference._linear_fp32(rows, w if e is None else select_expert(w, i))
+            out[off[i] : off[i + 1]] = _torch_rows(form, x2[off[i] : off[i + 1]], w if e is None else select_expert(w, i), i)
     return out
 
 
@@ -563,24 +720,26 @@ def _experts(w: Weight) -> int:
 
 
 def _gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
-    """x [..., K] @ W.T for bf16 x and W with the C GEMV, or None where it does not apply."""
+    """x [..., K] @ W.T for bf16 x and W with a library's GEMV, or None where it does not apply."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
-    lib = load_library()
-    if x2.shape[0] > BF16_GEMV_MAX_ROWS or w.stride(1) != 1 or w.device.type != "cpu" or lib is None:
+    if x2.shape[0] > BF16_GEMV_MAX_ROWS or w.stride(1) != 1 or w.device.type != "cpu" or w.dtype != torch.bfloat16:
+        return None
+    path = isa()
+    if path == "none":
         return None
     x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
-    lib.llk_gemv_bf16(w.data_ptr(), w.stride(0), n, k, x2.data_ptr(), k, x2.shape[0], out.data_ptr(), n,
-                      torch.get_num_threads())  # fmt: skip
+    _gemv_lib(path).llk_gemv_bf16(w.data_ptr(), w.stride(0), n, k, x2.data_ptr(), k, x2.shape[0], out.data_ptr(), n,
+                                  torch.get_num_threads())  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., N] in x.dtype."""
     if isinstance(w, torch.Tensor) and x.dtype == w.dtype:
-        # A few bf16 rows (decode): the C GEMV reads weights at the memory roofline, which
-        # oneDNN's bf16 GEMV does not reach at batch 1; more rows: oneDNN's GEMM.
+        # A few bf16 rows (decode): a library's GEMV reads weights at the memory roofline, which
+        # PyTorch's bf16 GEMV does not reach on every CPU; more rows: PyTorch's GEMM.
         if w.dtype != torch.bfloat16 or w.dim() != 2:
             return F.linear(x, w)
         out = _gemv_bf16(x, w)
@@ -605,7 +764,7 @@ def _fusable(w1: Weight, w3: Weight, x: torch.Tensor) -> bool:
     if isinstance(w1, torch.Tensor) or type(w1) is not type(w3) or x.dtype != torch.bfloat16:
         return False
     f1, f3 = _form(w1), _form(w3)
-    if f1["path"] != "llk" or f3["path"] != "llk":
+    if f1["path"] == "torch" or f3["path"] == "torch":
         return False
     same = all(f1[key] == f3[key] for key in ("wfmt", "sfmt", "gs", "e", "n", "k", "act"))
     if f1["act"] == "fp8":
@@ -642,4 +801,7 @@ def swiglu(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-__all__ = ["linear", "grouped_linear", "grouped_swiglu", "swiglu", "prepare", "available", "describe", "format_name"]
+__all__ = [
+    "ISAS", "cpu_isas", "set_isa", "requested_isa", "isa", "available", "amx_available",
+    "linear", "grouped_linear", "grouped_swiglu", "swiglu", "prepare", "describe", "format_name",
+]  # fmt: skip

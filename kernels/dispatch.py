@@ -1,9 +1,10 @@
 """Pick the implementation of each kernel call: reference, CPU fast path or Triton.
 
 ``auto`` (the default) uses Triton for CUDA tensors when ``kernels.triton_kernels`` imports,
-the CPU fast paths (``kernels.cpu``) for CPU tensors, and the reference otherwise. The choice can
-be forced with ``set_backend`` or the ``LLAMA_LITE_KERNELS`` environment variable. The first call
-for each (operation, format, path) logs one line on ``llama_lite.kernels`` naming the path.
+the CPU fast paths (``kernels.cpu``, under the CPU cap ``LLAMA_LITE_CPU_ISA``) for CPU tensors, and
+the reference otherwise. The choice can be forced with ``set_backend`` or the ``LLAMA_LITE_KERNELS``
+environment variable. The first call for each (operation, format, path) logs one line on
+``llama_lite.kernels`` naming the path, e.g. ``cpu/avx2: fp32-FMA fused dequant-GEMV ...``.
 """
 
 from __future__ import annotations
@@ -85,10 +86,12 @@ def _select(x: torch.Tensor) -> tuple[ModuleType, str]:
 
 
 def _note(op: str, w, path: str) -> None:
+    if path == "cpu":
+        path = f"cpu/{cpu.isa()}"  # a new CPU cap (LLAMA_LITE_CPU_ISA, cpu.set_isa) logs again
     key = (op, format_name(w), path)
     if key not in _logged:
         _logged.add(key)
-        detail = cpu.describe(w) if path == "cpu" else path
+        detail = cpu.describe(w) if path.startswith("cpu") else path
         if path == "reference" and _triton_error and get_backend() == "auto":
             detail += f" (triton unavailable: {_triton_error})"
         log.info("kernels: %s %s -> %s", op, format_name(w), detail)

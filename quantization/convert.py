@@ -31,7 +31,7 @@ from .checkpoint_io import (
 )
 from .formats import quantize_fp8_rowwise, quantize_int4, quantize_nvfp4, quantize_w4a8, w4a8_from_int4
 from .modes import MODE_FORMAT, QuantizationMode, parse_mode, parse_targets
-from .modules import KernelLinear, QuantizedExperts, QuantizedFeedForward, QuantizedLinear
+from .modules import KernelExperts, KernelFeedForward, KernelLinear, QuantizedExperts, QuantizedFeedForward, QuantizedLinear
 from .sharding import merge_weights, slice_weight, tensor_fields
 
 log = logging.getLogger("llama_lite.quantization")
@@ -166,19 +166,36 @@ def _weights_of(kind: str) -> list[tuple[str, str, bool]]:
     return [("weight", "K" if kind == "row" else "N", False)]
 
 
+def _linear_layout(w: torch.Tensor) -> torch.Tensor:
+    """Core expert weights [E, D, F] / [E, F, D] as contiguous nn.Linear-oriented [E, N, K], one expert at a time."""
+    t = torch.empty(w.shape[0], w.shape[2], w.shape[1], dtype=w.dtype, device=w.device)
+    for e in range(w.shape[0]):
+        t[e].copy_(w[e].T)
+    return t
+
+
 def _bf16_layers_to_kernels(model: Transformer, prefix: str) -> None:
-    """Swap the core's bf16 parallel linear layers under ``prefix`` ("" = outside the layers) for
-    KernelLinear, which computes the same product with the kernels' bf16 GEMV."""
+    """Swap the core's bf16 layers under ``prefix`` ("" = outside the layers) for modules that compute
+    the same products with ``kernels.linear``: parallel linear layers, dense SwiGLUs and routed experts
+    (so every weight read at decode goes through the kernels' bf16 GEMV)."""
+    swapped: list[str] = []
     for path, module in list(model.named_modules()):
         inside = path.startswith(prefix) if prefix else not path.startswith("layers.")
-        if not inside or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if not inside or any(path.startswith(done + ".") for done in swapped):
             continue
-        if isinstance(module, RowParallelLinear):
+        if isinstance(module, Experts):
+            new = KernelExperts(*(_linear_layout(getattr(module, n).data) for n in ("w1", "w3", "w2")))
+        elif isinstance(module, FeedForward):
+            new = KernelFeedForward(module.w1.weight.data, module.w3.weight.data, module.w2.weight.data, module.do_reduce)
+        elif isinstance(module, RowParallelLinear):
             new = KernelLinear(module.weight.data, "row")
-        else:
+        elif isinstance(module, ColumnParallelLinear):
             new = KernelLinear(module.weight.data, "column", gather_output=module.gather_output)
+        else:
+            continue
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
+        swapped.append(path)
 
 
 def convert_to_quantized_model(

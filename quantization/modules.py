@@ -82,6 +82,54 @@ class KernelLinear(_ParallelKernelLinear):
         return f"{tuple(self.weight.shape)}, {self.weight.dtype}, {self.parallel}-parallel"
 
 
+class KernelFeedForward(nn.Module):
+    """A dense SwiGLU (shared expert, dense layers) left in bf16, each product by ``kernels.linear``.
+
+    The core's FeedForward computed the same way (bf16 products, SwiGLU in bf16), so prefill gives
+    the core's numbers exactly and decode reads its weights with the kernels' bf16 GEMV.
+    """
+
+    def __init__(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, do_reduce: bool):
+        super().__init__()
+        self.w1, self.w3, self.w2 = (nn.Parameter(w, requires_grad=False) for w in (w1, w3, w2))
+        self.do_reduce = do_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.silu(kernels.linear(x, self.w1)) * kernels.linear(x, self.w3)
+        out = kernels.linear(h, self.w2)
+        return reduce_from_model_parallel_region(out) if self.do_reduce else out
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.w1.shape)}, {self.w1.dtype}"
+
+
+class KernelExperts(nn.Module):
+    """Routed experts left in bf16, in nn.Linear orientation (w1/w3 [E, F, D], w2 [E, D, F],
+    contiguous), each expert's products by ``kernels.linear``: the core's Experts computed the same
+    way, with the kernels' bf16 GEMV at decode."""
+
+    def __init__(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor):
+        super().__init__()
+        self.w1, self.w3, self.w2 = (nn.Parameter(w, requires_grad=False) for w in (w1, w3, w2))
+        self.num_experts = w1.shape[0]
+
+    @torch.compiler.disable  # a loop over the routing's (data-dependent) bounds, as the core's Experts
+    def forward(self, x_TD: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+        out_TD = torch.empty_like(x_TD)
+        bounds = offsets_E1.tolist()
+        for e in range(self.num_experts):
+            lo, hi = bounds[e], bounds[e + 1]
+            if lo == hi:
+                continue
+            x = x_TD[lo:hi]
+            h = nn.functional.silu(kernels.linear(x, self.w1[e])) * kernels.linear(x, self.w3[e])
+            out_TD[lo:hi] = kernels.linear(h, self.w2[e])
+        return out_TD
+
+    def extra_repr(self) -> str:
+        return f"bf16, experts={self.num_experts}"
+
+
 def _logical_numel(w: QuantizedWeight) -> int:
     packed = getattr(w, "qweight", None)
     return packed.numel() * 2 if packed is not None else w.weight.numel()

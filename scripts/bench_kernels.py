@@ -15,9 +15,9 @@ found), so a noisy machine affects all of them alike. Reported per row: median t
 bytes touched / time (GB/s), that as a fraction of the streaming read, and the speedup over the
 reference path and over bf16 on the same layer and batch.
 
-Paths: ``cpu`` (kernels.cpu: the C++ kernels; bf16 is PyTorch/oneDNN), ``reference``
-(kernels.reference), and ``int4pack`` (PyTorch's ``_weight_int4pack_mm_for_cpu``, int4 only, as a
-baseline). ``--backends`` picks among them. Run as a program, the script sets
+Paths: ``cpu`` (kernels.cpu under the CPU cap in force; ``--isa avx2,none`` or ``--isa all`` runs it
+under each cap as ``cpu/avx2`` ...), ``reference`` (kernels.reference), and ``int4pack`` (PyTorch's
+``_weight_int4pack_mm_for_cpu``, int4 only, as a baseline). ``--backends`` picks among them. Run as a program, the script sets
 ``OMP_WAIT_POLICY=PASSIVE`` unless it is set (see below); the JSON records the policy in force.
 """
 
@@ -111,27 +111,41 @@ def weight_bytes(w) -> int:
 
 
 def int4pack_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """PyTorch's packed int4 CPU kernel (the baseline the brief names), via cpu's fallback form."""
+    """PyTorch's packed int4 CPU kernel (the baseline the brief names), via cpu's PyTorch-only form."""
     if "int4pack" not in w.prepared:
-        saved = cpu._lib, cpu._lib_tried
-        cpu._lib, cpu._lib_tried = None, True
-        try:
-            w.prepared["int4pack"] = cpu._build_cpu_form(w)
-        finally:
-            cpu._lib, cpu._lib_tried = saved
-    return cpu._int4pack_rows(w.prepared["int4pack"], x.reshape(-1, x.shape[-1]), 0)
+        w.prepared["int4pack"] = cpu._build_cpu_form(w, "none")
+    packed, sz = w.prepared["int4pack"]["int4pack"][0]
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, w.group_size, sz)
 
 
 def path_fn(path: str, case: Case, fmt: str, ws) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
-    """fn(x, offsets) for one path, or None when the path does not apply."""
+    """fn(x, offsets) for one path, or None when the path does not apply. ``cpu/ISA``: the CPU
+    kernels under that cap (``cpu``: the cap in force)."""
     if path == "int4pack":
         if fmt != "int4" or case.kind != "linear":
             return None
         return lambda x, off: int4pack_linear(x, ws[0])
-    module = cpu if path == "cpu" else reference
+    if path == "reference":
+        module, cap = reference, None
+    else:
+        module, cap = cpu, (path.split("/", 1)[1] if "/" in path else None)
+
+    def call(fn):
+        def run(x, off):
+            if cap is not None:
+                cpu.set_isa(cap)
+            try:
+                return fn(x, off)
+            finally:
+                if cap is not None:
+                    cpu.set_isa(None)
+
+        return run
+
     if case.kind == "linear":
-        return lambda x, off: module.linear(x, ws[0])
-    return lambda x, off: module.grouped_swiglu(x, off, *ws)
+        return call(lambda x, off: module.linear(x, ws[0]))
+    return call(lambda x, off: module.grouped_swiglu(x, off, *ws))
 
 
 def touched_bytes(case: Case, ws, offsets: Optional[list[int]]) -> int:
@@ -194,7 +208,7 @@ def run_case(case: Case, backends: list[str], reps: int, stream: torch.Tensor) -
             nbytes = touched_bytes(case, weights[fmt], off)
             gbs = nbytes / t / 1e9
             ref_t = med.get((fmt, "reference"))
-            bf16_t = med.get(("bf16", path)) or med.get(("bf16", "cpu"))
+            bf16_t = med.get(("bf16", path)) or med.get(("bf16", "cpu")) or med.get(("bf16", f"cpu/{cpu.isa()}"))
             rows.append(dict(
                 case=case.name, format=fmt, batch=batch, path=path, ms=t * 1e3, weight_mb=nbytes / 2**20,
                 gbs=gbs, roofline=gbs / stream_gbs, stream_gbs=stream_gbs,
@@ -202,6 +216,17 @@ def run_case(case: Case, backends: list[str], reps: int, stream: torch.Tensor) -
             ))  # fmt: skip
         print(f"# {case.name} batch {batch}: done (stream {stream_gbs:.1f} GB/s)", flush=True)
     return rows
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def markdown(rows: list[dict]) -> str:
@@ -217,18 +242,39 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(quick: bool = False, json: Optional[str] = None, backends: str = "cpu,reference,int4pack",
-         reps: Optional[int] = None, cases: Optional[str] = None) -> None:  # fmt: skip
-    """Run the benchmark; print a markdown table; write JSON rows (and machine info) to ``json``."""
-    run(quick, json, backends, reps, cases)
+         reps: Optional[int] = None, cases: Optional[str] = None, isa: Optional[str] = None) -> None:  # fmt: skip
+    """Run the benchmark; print a markdown table; write JSON rows (and machine info) to ``json``.
+
+    Args:
+        quick: seconds-long shapes (the tests run this).
+        json: write the rows and machine info to this file.
+        backends: comma list of paths: cpu, reference, int4pack.
+        reps: timed rounds per row (default 7, quick 3).
+        cases: comma list of case names (expert_w1, stack16, moe16) to run; default all.
+        isa: run the cpu path under each of these CPU caps (comma list of amx, avx512, avx2, none,
+            or ``all`` for every cap this CPU can run); default: the cap in force only.
+    """
+    run(quick, json, backends, reps, cases, isa)
 
 
 def run(quick: bool = False, json: Optional[str] = None, backends: str = "cpu,reference,int4pack",
-        reps: Optional[int] = None, cases: Optional[str] = None) -> list[dict]:  # fmt: skip
+        reps: Optional[int] = None, cases: Optional[str] = None, isa: Optional[str] = None) -> list[dict]:  # fmt: skip
     """``main``, returning the rows."""
     paths = [b.strip() for b in (backends.split(",") if isinstance(backends, str) else backends)]
     unknown = set(paths) - {"cpu", "reference", "int4pack"}
     if unknown:
         raise SystemExit(f"unknown path(s) {sorted(unknown)}; choose from cpu, reference, int4pack")
+    if isa and "cpu" in paths:
+        caps = list(cpu.cpu_isas()) if isa == "all" else [c.strip() for c in (isa.split(",") if isinstance(isa, str) else isa)]
+        try:
+            for cap in caps:
+                cpu.set_isa(cap)  # refuses a cap this CPU cannot run
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        finally:
+            cpu.set_isa(None)
+        i = paths.index("cpu")
+        paths[i : i + 1] = [f"cpu/{cap}" for cap in caps]
     selected = QUICK if quick else FULL
     if cases:
         names = set(cases.split(",") if isinstance(cases, str) else cases)
@@ -236,7 +282,8 @@ def run(quick: bool = False, json: Optional[str] = None, backends: str = "cpu,re
     reps = reps or (3 if quick else 7)
     info = dict(
         cpu=platform.processor() or platform.machine(), torch=torch.__version__, threads=torch.get_num_threads(),
-        capability=torch.backends.cpu.get_cpu_capability(), c_kernels=cpu.available(), amx=cpu.amx_available(),
+        cpu_model=_cpu_model(), capability=torch.backends.cpu.get_cpu_capability(), cpu_isas=cpu.cpu_isas(),
+        isa_in_force=cpu.isa(),
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(default: spin)"),
     )  # fmt: skip
     print(f"# {info}", flush=True)

@@ -242,6 +242,10 @@ def set_kernels(backend: str) -> None:
     if backend not in kernels.BACKENDS:
         raise FlagError(f"unknown --kernels {backend!r}; choose one of {', '.join(kernels.BACKENDS)}")
     kernels.set_backend(backend)
+    try:
+        kernels.cpu.requested_isa()  # LLAMA_LITE_CPU_ISA: refuse a cap this CPU cannot run, up front
+    except ValueError as err:
+        raise FlagError(str(err)) from None
 
 
 # --- input and output ---------------------------------------------------------------------

@@ -1,0 +1,615 @@
+// llama-lite CPU kernels for x86-64 CPUs with AVX2 + FMA + F16C (no AVX-512 needed): laptops,
+// AMD Zen 1-3, older Xeons. Same C ABI and numerics as llk.cpp, so cpu.py drives either library.
+//
+// Two ways to multiply, chosen per expert by the number of activation rows (see cpu.py):
+//  * llk_gemv (decode, a few rows): weights decoded straight to fp32 in registers and fed to fp32
+//    FMAs. Products are exact or rounded once in fp32, sums are fp32: the reference's numerics up
+//    to fp32 summation order.
+//  * llk_dequant_f32 (prefill, many rows): weight tiles expanded to fp32 (exact: the group scale is
+//    multiplied in as the reference does) for PyTorch's fp32 GEMM, a tile at a time.
+//
+// Decoding, per 32 weight bytes (no shuffle across 128-bit lanes, no int -> float conversion):
+//  * 4-bit (int4, e2m1): nibbles are split with and/shift, two vpshufb look up the low and high
+//    bytes of each value's bf16 bits, vpunpck{l,h}bw pairs them into bf16 words, and a bf16 word
+//    becomes an fp32 lane by a 16-bit left shift (even words) or masking (odd words).
+//  * fp8 e4m3: each byte goes to the high half of a 16-bit word (unpack with zero); an arithmetic
+//    shift right by one and a mask give the fp16 bits of the value times 2^-8, subnormals included;
+//    vcvtph2ps is exact and the 2^8 joins the row's factor.
+// The decoded K order of a 4-bit block is not K order: the activations are permuted to match once
+// per call (M x K, cheap); llk_gemv_order says the order, and tiles from llk_dequant_f32 use it too.
+// fp8 decodes in K order.
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+enum WeightFormat { W_INT4 = 0, W_FP4 = 1, W_FP8 = 2 };
+enum ScaleFormat { S_NONE = 0, S_BF16 = 1, S_F32 = 2, S_E4M3 = 3 };
+
+// One expert-stacked weight: out[m, n] = sum_k x[m, k] * W_e[n, k] * groupscale[e, n, k / gs]
+// * alpha[e] * rowscale[e, n] (* tokscale[m]). The same layout as llk.cpp's.
+struct LlkWeight {
+    const uint8_t* w;       // [E, N, row_bytes]
+    int64_t w_estride;      // bytes between experts
+    int64_t w_ldn;          // bytes between rows
+    const void* s;          // group scales [E, N, K / gs] (S_NONE: unused)
+    int64_t s_estride;      // elements
+    int64_t s_ldn;          // elements
+    const float* rowscale;  // [E, N] or null
+    int64_t r_estride;      // elements
+    const float* alpha;     // [E] or null
+};
+
+struct LlkArgs {
+    int32_t wfmt, sfmt, gs, nthreads;
+    int64_t N, K, E;
+    const int64_t* row_start;  // [E]: rows [row_start[e], row_end[e]) of x go to expert e
+    const int64_t* row_end;    // [E]; an expert without rows costs nothing
+    const void* x;             // fp32 [rows, ldx] in gemv order
+    int64_t ldx;               // elements
+    const float* tokscale;     // [rows] or null
+    float* out;                // [rows, ldo] fp32
+    int64_t ldo;
+    LlkWeight w1;
+    LlkWeight w3;              // SwiGLU: w3.w != null and out = silu(x W1^T) * (x W3^T)
+};
+
+// ------------------------------------------------------------------------------------------
+// tables
+
+static float e4m3_value(int b) {
+    const int e = (b >> 3) & 0xF, m = b & 7;
+    float v;
+    if (e == 15 && m == 7) v = NAN;
+    else if (e == 0) v = std::ldexp((float)m, -9);
+    else v = std::ldexp(1.0f + m / 8.0f, e - 7);
+    return (b & 0x80) ? -v : v;
+}
+
+static uint16_t bf16_bits(float f) {  // exact for every value used in the tables
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+
+struct Tables {
+    __m256i int4_lo, int4_hi;  // nibble -> low / high byte of bf16(int4 value), both 128-bit lanes
+    __m256i fp4_lo, fp4_hi;    // nibble -> low / high byte of bf16(e2m1 value)
+    float e4m3[256];
+};
+
+static Tables make_tables() {
+    static const float fp4[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    alignas(32) uint8_t il[32], ih[32], fl[32], fh[32];
+    for (int n = 0; n < 32; n++) {
+        const int c = n % 16;
+        const uint16_t i4 = bf16_bits((float)(c < 8 ? c : c - 16));
+        const uint16_t f4 = bf16_bits(c < 8 ? fp4[c] : -fp4[c - 8]);
+        il[n] = i4 & 0xFF, ih[n] = i4 >> 8, fl[n] = f4 & 0xFF, fh[n] = f4 >> 8;
+    }
+    Tables t;
+    t.int4_lo = _mm256_load_si256((const __m256i*)il);
+    t.int4_hi = _mm256_load_si256((const __m256i*)ih);
+    t.fp4_lo = _mm256_load_si256((const __m256i*)fl);
+    t.fp4_hi = _mm256_load_si256((const __m256i*)fh);
+    for (int b = 0; b < 256; b++) t.e4m3[b] = e4m3_value(b);
+    return t;
+}
+
+static const Tables& tables() {
+    static const Tables t = make_tables();
+    return t;
+}
+
+template <int SF>
+static inline float scale_at(const void* s, int64_t i, const Tables& t) {
+    if (SF == S_BF16) {
+        const uint32_t u = (uint32_t)((const uint16_t*)s)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    if (SF == S_F32) return ((const float*)s)[i];
+    if (SF == S_E4M3) return t.e4m3[((const uint8_t*)s)[i]];
+    return 1.0f;
+}
+
+// 32 weight bytes at p; a row's last, partial chunk is copied into zeros first.
+static inline __m256i load_chunk(const uint8_t* p, int64_t rem) {
+    if (rem >= 32) return _mm256_loadu_si256((const __m256i*)p);
+    alignas(32) uint8_t buf[32] = {0};
+    memcpy(buf, p, (size_t)std::max<int64_t>(rem, 0));
+    return _mm256_load_si256((const __m256i*)buf);
+}
+
+// ------------------------------------------------------------------------------------------
+// decoders (gemv order)
+//
+// 4-bit, per 32 bytes (64 values): vector j = 4 s + 2 h + p (s: 0 low nibbles, 1 high; h: 0 from
+// vpunpcklbw, 1 from vpunpckhbw; p: 0 even words, 1 odd), lane d: word w = 2 d + p, byte
+// i = (w < 8 ? w : w + 8) + 8 h, K position 2 i + s. Lanes 0-3 of a vector hold K in [16 h, 16 h
+// + 16), lanes 4-7 K in [32 + 16 h, 48 + 16 h): a group scale of 16 or 32 values is one scale per
+// half vector.
+
+static int gemv_order(int wfmt, int32_t* out) {
+    if (wfmt == W_FP8) {
+        for (int k = 0; k < 32; k++) out[k] = k;
+        return 32;
+    }
+    for (int j = 0; j < 8; j++)
+        for (int d = 0; d < 8; d++) {
+            const int s = j / 4, h = (j / 2) % 2, p = j % 2, w = 2 * d + p;
+            const int i = (w < 8 ? w : w + 8) + 8 * h;
+            out[8 * j + d] = 2 * i + s;
+        }
+    return 64;
+}
+
+static inline void decode4(__m256i v, __m256i tlo, __m256i thi, __m256 d[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), hi_mask = _mm256_set1_epi32((int)0xFFFF0000);
+    const __m256i nib[2] = {_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)};
+    for (int s = 0; s < 2; s++) {
+        const __m256i lo = _mm256_shuffle_epi8(tlo, nib[s]), hi = _mm256_shuffle_epi8(thi, nib[s]);
+        const __m256i w0 = _mm256_unpacklo_epi8(lo, hi), w1 = _mm256_unpackhi_epi8(lo, hi);
+        d[4 * s + 0] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+        d[4 * s + 1] = _mm256_castsi256_ps(_mm256_and_si256(w0, hi_mask));
+        d[4 * s + 2] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+        d[4 * s + 3] = _mm256_castsi256_ps(_mm256_and_si256(w1, hi_mask));
+    }
+}
+
+// fp8, per 32 bytes: d[j] = K [8 j, 8 j + 8) times 2^-8.
+static inline void decode8(__m256i v, __m256 d[4]) {
+    const __m256i zero = _mm256_setzero_si256(), keep = _mm256_set1_epi16((short)0xBFFF);
+    const __m256i h0 = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(zero, v), 1), keep);
+    const __m256i h1 = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(zero, v), 1), keep);
+    d[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h0));
+    d[1] = _mm256_cvtph_ps(_mm256_castsi256_si128(h1));
+    d[2] = _mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1));
+    d[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1));
+}
+
+static const float kFp8Unit = 256.0f;  // decode8 yields values times 2^-8
+
+// Group scales of 4-bit chunk c: sc[0] for vectors with h = 0, sc[1] for h = 1 (see decode4).
+template <int SF>
+static inline void chunk_scales(const void* srow, int64_t c, int gs, int64_t ngroups, const Tables& t, __m256 sc[2]) {
+    auto at = [&](int64_t k) { return scale_at<SF>(srow, std::min<int64_t>(k / gs, ngroups - 1), t); };
+    const int64_t k0 = 64 * c;
+    if (gs >= 64) {
+        sc[0] = sc[1] = _mm256_set1_ps(at(k0));
+    } else if (gs == 32) {
+        sc[0] = sc[1] = _mm256_setr_m128(_mm_set1_ps(at(k0)), _mm_set1_ps(at(k0 + 32)));
+    } else {  // 16
+        sc[0] = _mm256_setr_m128(_mm_set1_ps(at(k0)), _mm_set1_ps(at(k0 + 32)));
+        sc[1] = _mm256_setr_m128(_mm_set1_ps(at(k0 + 16)), _mm_set1_ps(at(k0 + 48)));
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// GEMV: one weight row against MR activation rows -> res[m] (before alpha/rowscale/tokscale)
+
+static inline float hsum(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// Accumulators per activation row: enough independent FMA chains to cover the FMA latency.
+template <int MR>
+struct Acc {
+    static constexpr int NA = MR == 1 ? 4 : MR == 2 ? 4 : 2;
+    __m256 v[MR][NA];
+    Acc() {
+        for (int m = 0; m < MR; m++)
+            for (int j = 0; j < NA; j++) v[m][j] = _mm256_setzero_ps();
+    }
+    void sum(float res[MR]) const {
+        for (int m = 0; m < MR; m++) {
+            __m256 s = v[m][0];
+            for (int j = 1; j < NA; j++) s = _mm256_add_ps(s, v[m][j]);
+            res[m] = hsum(s);
+        }
+    }
+};
+
+// One activation row, int4 with a group size that is a multiple of 64 (whole chunks per group, no
+// partial chunk): the products q * x are summed per group and the group's sum times its scale is
+// added to the row's total, which saves the per-vector multiply of the general loop.
+template <int SF>
+static inline float gemv_row_int4_m1(const LlkArgs& a, const uint8_t* wrow, const void* srow, const float* x,
+                                     const Tables& t) {
+    const int64_t cpg = a.gs / 64, ngroups = a.K / a.gs;
+    __m256 tot0 = _mm256_setzero_ps(), tot1 = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ngroups; g++) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {
+            __m256 d[8];
+            decode4(_mm256_loadu_si256((const __m256i*)(wrow + 32 * c)), t.int4_lo, t.int4_hi, d);
+            const float* xc = x + 64 * c;
+            for (int j = 0; j < 8; j++) acc[j % 4] = _mm256_fmadd_ps(d[j], _mm256_loadu_ps(xc + 8 * j), acc[j % 4]);
+        }
+        const __m256 s = _mm256_set1_ps(scale_at<SF>(srow, g, t));
+        tot0 = _mm256_fmadd_ps(_mm256_add_ps(acc[0], acc[1]), s, tot0);
+        tot1 = _mm256_fmadd_ps(_mm256_add_ps(acc[2], acc[3]), s, tot1);
+    }
+    return hsum(_mm256_add_ps(tot0, tot1));
+}
+
+template <int WF, int SF, int MR>
+static inline void gemv_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, const float* x,
+                            const Tables& t, float res[MR]) {
+    const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
+    const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
+    const void* srow = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+    if (WF == W_INT4 && MR == 1 && a.gs % 64 == 0) {
+        res[0] = gemv_row_int4_m1<SF>(a, wrow, srow, x, t);
+        return;
+    }
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int64_t nchunk = (row_bytes + 31) / 32;
+    Acc<MR> acc;
+    constexpr int NA = Acc<MR>::NA;
+    if (WF == W_FP8) {
+        for (int64_t c = 0; c < nchunk; c++) {
+            __m256 d[4];
+            decode8(load_chunk(wrow + 32 * c, row_bytes - 32 * c), d);
+            for (int j = 0; j < 4; j++)
+                for (int m = 0; m < MR; m++)
+                    acc.v[m][j % NA] = _mm256_fmadd_ps(d[j], _mm256_loadu_ps(x + m * a.ldx + 32 * c + 8 * j), acc.v[m][j % NA]);
+        }
+    } else {
+        const __m256i tlo = WF == W_FP4 ? t.fp4_lo : t.int4_lo, thi = WF == W_FP4 ? t.fp4_hi : t.int4_hi;
+        const int64_t ngroups = a.K / a.gs;
+        for (int64_t c = 0; c < nchunk; c++) {
+            __m256 d[8], sc[2];
+            decode4(load_chunk(wrow + 32 * c, row_bytes - 32 * c), tlo, thi, d);
+            chunk_scales<SF>(srow, c, a.gs, ngroups, t, sc);
+            for (int j = 0; j < 8; j++) {
+                const __m256 wv = _mm256_mul_ps(d[j], sc[(j / 2) % 2]);  // q * s, as the reference
+                for (int m = 0; m < MR; m++)
+                    acc.v[m][j % NA] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * a.ldx + 64 * c + 8 * j), acc.v[m][j % NA]);
+            }
+        }
+    }
+    acc.sum(res);
+}
+
+static inline float factor(const LlkWeight& w, int64_t e, int64_t n, int wfmt) {
+    return (w.alpha ? w.alpha[e] : 1.0f) * (w.rowscale ? w.rowscale[e * w.r_estride + n] : 1.0f) *
+           (wfmt == W_FP8 ? kFp8Unit : 1.0f);
+}
+
+static inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+template <int WF, int SF, int MR>
+static void gemv_tile(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, int64_t r0, const Tables& t) {
+    const float* x = (const float*)a.x + r0 * a.ldx;
+    const bool swiglu = a.w3.w != nullptr;
+    for (int64_t n = n0; n < n1; n++) {
+        float r1[MR], r3[MR];
+        gemv_row<WF, SF, MR>(a, a.w1, e, n, x, t, r1);
+        const float f1 = factor(a.w1, e, n, WF);
+        if (swiglu) gemv_row<WF, SF, MR>(a, a.w3, e, n, x, t, r3);
+        const float f3 = swiglu ? factor(a.w3, e, n, WF) : 0.0f;
+        for (int m = 0; m < MR; m++) {
+            const float ts = a.tokscale ? a.tokscale[r0 + m] : 1.0f;
+            float v = r1[m] * f1 * ts;
+            if (swiglu) v = silu(v) * (r3[m] * f3 * ts);
+            a.out[(r0 + m) * a.ldo + n] = v;
+        }
+    }
+}
+
+static const int kGemvRows = 4;  // activation rows per register tile
+static const int kGemvTileN = 16;
+
+// Threads worth waking for `bytes` of weights: on a loaded machine a second thread may wait a
+// scheduler slice to run, so small jobs stay on the calling thread.
+static int threads_for(int64_t bytes, int nthreads) {
+    const int64_t per_thread = 1 << 20;
+    return (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, bytes / per_thread));
+}
+
+template <int WF, int SF>
+static void gemv_impl(const LlkArgs& a) {
+    const Tables& t = tables();
+    std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first row); empty experts: none
+    for (int64_t e = 0; e < a.E; e++)
+        if (a.row_end[e] > a.row_start[e])
+            for (int64_t n = 0; n < a.N; n += kGemvTileN) items.emplace_back(e, n);
+    const int64_t n_items = (int64_t)items.size();
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int nt = threads_for(n_items * kGemvTileN * row_bytes * (a.w3.w ? 2 : 1), a.nthreads);
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
+    for (int64_t i = 0; i < n_items; i++) {
+        const int64_t e = items[i].first, n0 = items[i].second, n1 = std::min<int64_t>(n0 + kGemvTileN, a.N);
+        for (int64_t r = a.row_start[e]; r < a.row_end[e]; r += kGemvRows) {
+            switch ((int)std::min<int64_t>(kGemvRows, a.row_end[e] - r)) {
+                case 1: gemv_tile<WF, SF, 1>(a, e, n0, n1, r, t); break;
+                case 2: gemv_tile<WF, SF, 2>(a, e, n0, n1, r, t); break;
+                case 3: gemv_tile<WF, SF, 3>(a, e, n0, n1, r, t); break;
+                default: gemv_tile<WF, SF, 4>(a, e, n0, n1, r, t); break;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// fp32 weight tiles for the prefill GEMM (gemv order, group scales multiplied in)
+
+template <int WF, int SF>
+static void dequant_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, float* o, int64_t ld,
+                         const Tables& t) {
+    const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
+    const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
+    const void* srow = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int64_t nchunk = (row_bytes + 31) / 32;
+    int64_t done;
+    if (WF == W_FP8) {
+        const __m256 unit = _mm256_set1_ps(kFp8Unit);
+        for (int64_t c = 0; c < nchunk; c++) {
+            __m256 d[4];
+            decode8(load_chunk(wrow + 32 * c, row_bytes - 32 * c), d);
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(o + 32 * c + 8 * j, _mm256_mul_ps(d[j], unit));
+        }
+        done = 32 * nchunk;
+    } else {
+        const __m256i tlo = WF == W_FP4 ? t.fp4_lo : t.int4_lo, thi = WF == W_FP4 ? t.fp4_hi : t.int4_hi;
+        const int64_t ngroups = a.K / a.gs;
+        for (int64_t c = 0; c < nchunk; c++) {
+            __m256 d[8], sc[2];
+            decode4(load_chunk(wrow + 32 * c, row_bytes - 32 * c), tlo, thi, d);
+            chunk_scales<SF>(srow, c, a.gs, ngroups, t, sc);
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + 64 * c + 8 * j, _mm256_mul_ps(d[j], sc[(j / 2) % 2]));
+        }
+        done = 64 * nchunk;
+    }
+    if (done < ld) memset(o + done, 0, (ld - done) * 4);
+}
+
+template <int WF, int SF>
+static void dequant_call(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, float* out, int64_t ld) {
+    const Tables& t = tables();
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int nt = threads_for((n1 - n0) * row_bytes * 4, a.nthreads);
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t n = n0; n < n1; n++) {
+        float* o = out + (n - n0) * ld;
+        if (n >= a.N) memset(o, 0, ld * 4);
+        else dequant_rows<WF, SF>(a, a.w1, e, n, o, ld, t);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// activation quantization: the same fp32 operations, in the same order, as kernels/reference.py,
+// so the quantized values are bit-identical (built with -ffp-contract=off). Scalar: at decode a
+// row is a few thousand values; in prefill this is far below the GEMM's time.
+
+// Round fp32 in [-448, 448] to the nearest e4m3 value (ties to even).
+static inline float round_e4m3(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    const uint32_t sign = u & 0x80000000u, a = u & 0x7FFFFFFFu;
+    float af;
+    memcpy(&af, &a, 4);
+    float r;
+    if (af < 0.015625f) {  // subnormal range: multiples of 2^-9
+        r = std::nearbyint(af * 512.0f) / 512.0f;
+    } else {  // keep 3 mantissa bits, round half to even (a carry bumps the exponent)
+        const uint32_t rb = (a + 0x7FFFFu + ((a >> 20) & 1u)) & 0xFFF00000u;
+        memcpy(&r, &rb, 4);
+    }
+    uint32_t ru;
+    memcpy(&ru, &r, 4);
+    ru |= sign;
+    memcpy(&r, &ru, 4);
+    return r;
+}
+
+static inline float round_e2m1(float q) {
+    const float aq = std::fabs(q);
+    float r = 0.0f;  // ties to even: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
+    if (aq > 0.25f) r = 0.5f;
+    if (aq >= 0.75f) r = 1.0f;
+    if (aq > 1.25f) r = 1.5f;
+    if (aq >= 1.75f) r = 2.0f;
+    if (aq > 2.5f) r = 3.0f;
+    if (aq >= 3.5f) r = 4.0f;
+    if (aq > 5.0f) r = 6.0f;
+    return std::signbit(q) ? -r : r;
+}
+
+static void quant_fp8_rows(const float* x, int64_t rows, int64_t K, int64_t ldx, float ub, float* out32,
+                           int64_t ldo, float* scales, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* xr = x + r * ldx;
+        float s = 0.0f;
+        for (int64_t k = 0; k < K; k++) s = std::max(s, std::fabs(xr[k]));
+        if (ub > 0) s = std::min(s, ub);
+        s = std::max(s, 1e-12f) / 448.0f;
+        scales[r] = s;
+        float* o = out32 + r * ldo;
+        for (int64_t k = 0; k < K; k++) o[k] = round_e4m3(std::min(std::max(xr[k] / s, -448.0f), 448.0f));
+    }
+}
+
+static void quant_nvfp4_rows(const float* x, int64_t rows, int64_t K, int64_t ldx, const float* g_rows, float* out,
+                             int64_t ldo, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float g = g_rows[r];
+        for (int64_t k0 = 0; k0 < K; k0 += 16) {
+            const float* v = x + r * ldx + k0;
+            float* o = out + r * ldo + k0;
+            float amax = 0.0f;
+            for (int i = 0; i < 16; i++) amax = std::max(amax, std::fabs(v[i]));
+            const float local = round_e4m3(std::min(amax / 6.0f * g, 448.0f));
+            if (!(local > 0.0f)) {
+                for (int i = 0; i < 16; i++) o[i] = 0.0f;
+                continue;
+            }
+            const float scale = local / g;
+            for (int i = 0; i < 16; i++) o[i] = round_e2m1(v[i] / scale) * local;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// bf16 GEMV (layers left in bf16: attention, output, and every layer in mode none)
+//
+// out[m, n] = sum_k x[m, k] W[n, k] for a few bf16 rows of x, fp32 FMAs (a product of two bf16
+// is exact in fp32), written as bf16 (round to nearest even). A bf16 word becomes an fp32 lane by
+// a shift or a mask, so a core decodes far faster than memory delivers. x is converted once per
+// call into fp32 in the same even / odd order per 16 values.
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <int MR>
+static void bf16_tile(const uint16_t* w, int64_t ldw, int64_t n0, int64_t n1, int64_t K, const float* xf,
+                      int64_t ldxf, const uint16_t* x, int64_t ldx, uint16_t* out, int64_t ldo) {
+    const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000);
+    const int64_t kv = K / 16 * 16;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t* wr = w + n * ldw;
+        Acc<MR> acc;
+        constexpr int NA = Acc<MR>::NA;
+        int64_t k = 0;
+        int j = 0;
+        for (; k < kv; k += 16, j = (j + 2) % NA) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i*)(wr + k));
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, hi_mask));
+            for (int m = 0; m < MR; m++) {
+                acc.v[m][j] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xf + m * ldxf + k), acc.v[m][j]);
+                acc.v[m][j + 1] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xf + m * ldxf + k + 8), acc.v[m][j + 1]);
+            }
+        }
+        float res[MR];
+        acc.sum(res);
+        for (int m = 0; m < MR; m++) {
+            for (int64_t kk = kv; kk < K; kk++) res[m] += bf16_to_f32(wr[kk]) * bf16_to_f32(x[m * ldx + kk]);
+            out[m * ldo + n] = f32_to_bf16(res[m]);
+        }
+    }
+}
+
+static void gemv_bf16(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, const uint16_t* x, int64_t ldx, int64_t M,
+                      uint16_t* out, int64_t ldo, int nthreads) {
+    // x -> fp32, even positions of each 16 first, then odd ones (the order the weight decodes in)
+    const int64_t kv = K / 16 * 16;
+    std::vector<float> xf((size_t)std::max<int64_t>(M * kv, 1));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < kv; k += 16)
+            for (int i = 0; i < 8; i++) {
+                xf[m * kv + k + i] = bf16_to_f32(x[m * ldx + k + 2 * i]);
+                xf[m * kv + k + 8 + i] = bf16_to_f32(x[m * ldx + k + 2 * i + 1]);
+            }
+    const int64_t tile = 16, n_items = (N + tile - 1) / tile;
+    const int nt = threads_for(N * K * 2, nthreads);
+#pragma omp parallel for schedule(dynamic, 8) num_threads(nt)
+    for (int64_t i = 0; i < n_items; i++) {
+        const int64_t n0 = i * tile, n1 = std::min<int64_t>(n0 + tile, N);
+        for (int64_t r = 0; r < M; r += 4) {
+            const float* xr = xf.data() + r * kv;
+            const uint16_t* xb = x + r * ldx;
+            uint16_t* orow = out + r * ldo;
+            switch ((int)std::min<int64_t>(4, M - r)) {
+                case 1: bf16_tile<1>(w, ldw, n0, n1, K, xr, kv, xb, ldx, orow, ldo); break;
+                case 2: bf16_tile<2>(w, ldw, n0, n1, K, xr, kv, xb, ldx, orow, ldo); break;
+                case 3: bf16_tile<3>(w, ldw, n0, n1, K, xr, kv, xb, ldx, orow, ldo); break;
+                default: bf16_tile<4>(w, ldw, n0, n1, K, xr, kv, xb, ldx, orow, ldo); break;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// C ABI
+
+// Supported combinations (cpu.py checks them first; anything else returns -1):
+//   int4 (w4a16 / w4a8): bf16, fp32 or e4m3 group scales, group size 32 or a multiple of 64
+//   e2m1 (nvfp4):        e4m3 scales per 16 values
+//   e4m3 (fp8 rowwise):  no group scales
+static int supported(const LlkArgs* a) {
+    if (a->wfmt == W_INT4)
+        return a->sfmt != S_NONE && (a->gs == 32 || (a->gs > 0 && a->gs % 64 == 0)) && a->K % a->gs == 0;
+    if (a->wfmt == W_FP4) return a->sfmt == S_E4M3 && a->gs == 16 && a->K % 16 == 0;
+    return a->wfmt == W_FP8 && a->sfmt == S_NONE;
+}
+
+#define LLK_DISPATCH(FN, ...)                                                \
+    do {                                                                     \
+        if (a->wfmt == W_FP8) FN<W_FP8, S_NONE>(__VA_ARGS__);                \
+        else if (a->wfmt == W_FP4) FN<W_FP4, S_E4M3>(__VA_ARGS__);           \
+        else if (a->sfmt == S_BF16) FN<W_INT4, S_BF16>(__VA_ARGS__);         \
+        else if (a->sfmt == S_F32) FN<W_INT4, S_F32>(__VA_ARGS__);           \
+        else FN<W_INT4, S_E4M3>(__VA_ARGS__);                                \
+    } while (0)
+
+extern "C" {
+
+int llk_abi_version() { return 3; }
+
+// K positions of one block of a row, in the order the kernels read x (and write tiles); returns
+// the block length (64 for 4-bit formats, 32 for fp8). `out` holds at least 64 entries.
+int llk_gemv_order(int wfmt, int32_t* out) { return gemv_order(wfmt, out); }
+
+// Few rows per expert: x is fp32 in gemv order.
+int llk_gemv(const LlkArgs* a) {
+    if (!supported(a)) return -1;
+    LLK_DISPATCH(gemv_impl, *a);
+    return 0;
+}
+
+// Weight rows [n0, n1) of expert e as fp32 in gemv order, group scales multiplied in (rows past N
+// and K past the weight are zero). Row scales, alpha and token scales are the caller's.
+int llk_dequant_f32(const LlkArgs* a, int64_t e, int64_t n0, int64_t n1, float* out, int64_t ld) {
+    if (!supported(a)) return -1;
+    LLK_DISPATCH(dequant_call, *a, e, n0, n1, out, ld);
+    return 0;
+}
+
+// bf16 W [N, K] (row stride ldw) times M bf16 rows of x (row stride ldx) -> bf16 out (row stride ldo).
+void llk_gemv_bf16(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, const uint16_t* x, int64_t ldx, int64_t M,
+                   uint16_t* out, int64_t ldo, int nthreads) {
+    gemv_bf16(w, ldw, N, K, x, ldx, M, out, ldo, nthreads);
+}
+
+// Per token: s = clamp(amax, max=ub, min=1e-12) / 448, q = e4m3(clamp(x / s, +-448)) as fp32.
+// out16 must be null here (no bf16 tiles in this library).
+void llk_quant_fp8_rows(const float* x, int64_t rows, int64_t K, int64_t ldx, float ub, float* out32,
+                        uint16_t* out16, int64_t ldo, float* scales, int nthreads) {
+    (void)out16;
+    quant_fp8_rows(x, rows, K, ldx, ub, out32, ldo, scales, nthreads);
+}
+
+// Per token and 16 values: local = e4m3(min(amax / 6 * g, 448)), q = e2m1(x / (local / g));
+// out = q * local (exact; the caller divides by g in fp32).
+int llk_quant_nvfp4_rows(const float* x, int64_t rows, int64_t K, int64_t ldx, const float* g_rows, float* out,
+                         int64_t ldo, int nthreads) {
+    if (K % 16) return -1;
+    quant_nvfp4_rows(x, rows, K, ldx, g_rows, out, ldo, nthreads);
+    return 0;
+}
+
+}  // extern "C"
