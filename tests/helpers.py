@@ -28,9 +28,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+def run_ranks(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a script (or ``-m module``) under torchrun with ``nproc`` gloo ranks, or plainly for 1."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
@@ -39,9 +39,11 @@ def run_ranks(nproc: int, args: list[str], timeout: int = 600) -> subprocess.Com
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def worker_results(tmp: Path, ckpt: Path, modes: str, world: int, targets: str = "") -> dict:
-    """Greedy tokens and logits per mode from tests/workers/quant_worker.py at ``world`` ranks."""
-    out = tmp / f"w{world}-{modes.replace(',', '_')}-{ckpt.name}.pt"
-    proc = run_ranks(world, [str(WORKER), str(ckpt), str(out), modes, str(world), targets])
+def worker_results(tmp: Path, ckpt: Path, modes: str, world: int, targets: str = "", isa: str = "") -> dict:
+    """Greedy tokens and logits per mode from tests/workers/quant_worker.py at ``world`` ranks
+    (under the CPU cap ``isa``, LLAMA_LITE_CPU_ISA, when given)."""
+    out = tmp / f"w{world}-{modes.replace(',', '_')}-{ckpt.name}{'-' + isa if isa else ''}.pt"
+    env = {"LLAMA_LITE_CPU_ISA": isa} if isa else None
+    proc = run_ranks(world, [str(WORKER), str(ckpt), str(out), modes, str(world), targets], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=True)
