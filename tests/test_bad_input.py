@@ -285,3 +285,28 @@ def test_user_errors_are_llama_lite_errors():
     """The scripts catch LlamaLiteError; every named error derives from it."""
     for kind in (ConfigError, CheckpointError, TokenizerError):
         assert issubclass(kind, LlamaLiteError)
+
+
+@pytest.mark.parametrize("case", ["unknown", "above_this_cpu"])
+def test_cpu_cap_is_checked_up_front(tiny_ckpt, run_script, case):
+    """LLAMA_LITE_CPU_ISA: a name that is not a path, or a cap above what this CPU has, is one
+    line and exit 2 before anything loads (on a CPU that has every path, the best one must run)."""
+    import os
+
+    from kernels import cpu
+
+    missing = [c for c in cpu.ISAS if c not in cpu.cpu_isas()]
+    if case == "unknown":
+        value, phrase = "avx1024", "unknown CPU path 'avx1024'"
+    elif missing:
+        value, phrase = missing[-1], f"LLAMA_LITE_CPU_ISA={missing[-1]} needs CPU features this CPU lacks"
+    else:
+        value, phrase = cpu.ISAS[0], None
+    env = {**os.environ, "LLAMA_LITE_CPU_ISA": value}
+    result = run_script("scripts.completion", tiny_ckpt, "--prompt", "hi", "--max_gen_len", "2", env=env)
+    if phrase is None:
+        assert result.returncode == 0, result.stderr[-2000:]
+        return
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and phrase in lines[0] and "Traceback" not in result.stderr
