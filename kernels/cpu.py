@@ -81,10 +81,12 @@ ISAS = ("amx", "avx512", "avx2", "none")  # best first
 GEMV_MAX_ROWS = {
     "amx": {W_INT4: 2, W_FP4: 2, W_FP8: 1},
     "avx512": {W_INT4: 16, W_FP4: 16, W_FP8: 16},
-    "avx2": {W_INT4: 16, W_FP4: 16, W_FP8: 16},
+    "avx2": {W_INT4: 64, W_FP4: 64, W_FP8: 64},
 }
-# Activation rows up to which a bf16 weight goes through a library's GEMV rather than PyTorch.
-BF16_GEMV_MAX_ROWS = 4
+# Activation rows up to which a bf16 weight goes through a library's GEMV rather than PyTorch's
+# GEMM: oneDNN's bf16 GEMM is fast with AVX512-BF16 / AMX, and on AVX2 alone slower than the GEMV
+# even at 64 rows (measured ~4x at 8-64 rows on AMD EPYC Zen 3).
+BF16_GEMV_MAX_ROWS = {"amx": 4, "avx512": 4, "avx2": 64}
 # Weight rows expanded to fp32 at a time for the GEMM of many rows: 512 x 5120 x 4 B = 10 MiB.
 PREFILL_TILE_N = 512
 # Weight rows dequantized at a time by PyTorch on the ``none`` path.
@@ -288,6 +290,11 @@ def amx_available() -> bool:
     return isa() == "amx"
 
 
+def _native_bf16() -> bool:
+    """Whether PyTorch's bf16 GEMM has hardware support here (else it is far slower than fp32)."""
+    return cpu_isas()[0] in ("amx", "avx512") or platform.machine().lower() not in ("x86_64", "amd64")
+
+
 def _gemv_lib(path: str) -> ctypes.CDLL:
     return _library("avx2" if path == "avx2" else "avx512")
 
@@ -435,7 +442,8 @@ def describe(w: Weight) -> str:
     if isinstance(w, torch.Tensor):
         if path == "none" or w.dtype != torch.bfloat16:
             return "cpu/none: PyTorch matmul"
-        return f"cpu/{path}: bf16 GEMV up to {BF16_GEMV_MAX_ROWS} rows, PyTorch above"
+        big = "PyTorch bf16 GEMM" if _native_bf16() else "fp32 weight tiles + PyTorch fp32 GEMM"
+        return f"cpu/{path}: bf16 GEMV up to {BF16_GEMV_MAX_ROWS[path]} rows, {big} above"
     form = _form(w)
     if form["path"] == "torch":
         why = "" if path == "none" else " (no C kernel for this layout)"
@@ -723,10 +731,10 @@ def _gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
     """x [..., K] @ W.T for bf16 x and W with a library's GEMV, or None where it does not apply."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
-    if x2.shape[0] > BF16_GEMV_MAX_ROWS or w.stride(1) != 1 or w.device.type != "cpu" or w.dtype != torch.bfloat16:
-        return None
     path = isa()
-    if path == "none":
+    if path == "none" or x2.shape[0] > BF16_GEMV_MAX_ROWS[path]:
+        return None
+    if w.stride(1) != 1 or w.device.type != "cpu" or w.dtype != torch.bfloat16:
         return None
     x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
@@ -743,10 +751,19 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         if w.dtype != torch.bfloat16 or w.dim() != 2:
             return F.linear(x, w)
         out = _gemv_bf16(x, w)
-        if out is None:  # oneDNN with the weight as left operand reads it in place (F.linear repacks it)
-            x2 = x.reshape(-1, w.shape[1])
-            out = (w @ x2.T).T.contiguous().view(*x.shape[:-1], w.shape[0])
-        return out
+        if out is not None:
+            return out
+        x2 = x.reshape(-1, w.shape[1])
+        if not _native_bf16():
+            # without AVX512-BF16, PyTorch's bf16 GEMM runs at a few GFLOP/s: fp32 tiles of the
+            # weight (exact) and its fp32 GEMM, the same numbers (exact products, fp32 sums)
+            out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype)
+            xf = x2.float()
+            for n0 in range(0, w.shape[0], PREFILL_TILE_N):
+                out[:, n0 : n0 + PREFILL_TILE_N] = xf @ w[n0 : n0 + PREFILL_TILE_N].float().T
+            return out.view(*x.shape[:-1], w.shape[0])
+        # oneDNN with the weight as left operand reads it in place (F.linear repacks it)
+        return (w @ x2.T).T.contiguous().view(*x.shape[:-1], w.shape[0])
     n, k = _dense(w)
     x2 = _rows(x, k)
     return _grouped_fp32(x2, [0, x2.shape[0]], w).to(x.dtype).reshape(*x.shape[:-1], n)

@@ -150,17 +150,26 @@ static int gemv_order(int wfmt, int32_t* out) {
     return 64;
 }
 
+// The nibbles of 32 bytes: s = 0 low, 1 high.
+static inline __m256i nibbles(__m256i v, int s) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    return _mm256_and_si256(s ? _mm256_srli_epi16(v, 4) : v, m4);
+}
+
+// Vectors 4 s .. 4 s + 3 of a chunk from its nibbles ``nib`` (s's half).
+static inline void decode4_half(__m256i nib, __m256i tlo, __m256i thi, __m256 d[4]) {
+    const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000);
+    const __m256i lo = _mm256_shuffle_epi8(tlo, nib), hi = _mm256_shuffle_epi8(thi, nib);
+    const __m256i w0 = _mm256_unpacklo_epi8(lo, hi), w1 = _mm256_unpackhi_epi8(lo, hi);
+    d[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+    d[1] = _mm256_castsi256_ps(_mm256_and_si256(w0, hi_mask));
+    d[2] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    d[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, hi_mask));
+}
+
 static inline void decode4(__m256i v, __m256i tlo, __m256i thi, __m256 d[8]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), hi_mask = _mm256_set1_epi32((int)0xFFFF0000);
-    const __m256i nib[2] = {_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)};
-    for (int s = 0; s < 2; s++) {
-        const __m256i lo = _mm256_shuffle_epi8(tlo, nib[s]), hi = _mm256_shuffle_epi8(thi, nib[s]);
-        const __m256i w0 = _mm256_unpacklo_epi8(lo, hi), w1 = _mm256_unpackhi_epi8(lo, hi);
-        d[4 * s + 0] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
-        d[4 * s + 1] = _mm256_castsi256_ps(_mm256_and_si256(w0, hi_mask));
-        d[4 * s + 2] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
-        d[4 * s + 3] = _mm256_castsi256_ps(_mm256_and_si256(w1, hi_mask));
-    }
+    decode4_half(nibbles(v, 0), tlo, thi, d);
+    decode4_half(nibbles(v, 1), tlo, thi, d + 4);
 }
 
 // fp8, per 32 bytes: d[j] = K [8 j, 8 j + 8) times 2^-8.
@@ -203,7 +212,7 @@ static inline float hsum(__m256 v) {
 // Accumulators per activation row: enough independent FMA chains to cover the FMA latency.
 template <int MR>
 struct Acc {
-    static constexpr int NA = MR == 1 ? 4 : MR == 2 ? 4 : 2;
+    static constexpr int NA = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;
     __m256 v[MR][NA];
     Acc() {
         for (int m = 0; m < MR; m++)
@@ -241,6 +250,42 @@ static inline float gemv_row_int4_m1(const LlkArgs& a, const uint8_t* wrow, cons
     return hsum(_mm256_add_ps(tot0, tot1));
 }
 
+// The four e4m3 scales of a 64-value nvfp4 chunk, times 2^-8 (see decode8), as the two scale
+// vectors of decode4's halves: sc[0] = [s0 x4, s2 x4], sc[1] = [s1 x4, s3 x4].
+static inline void fp4_chunk_scales(const uint8_t* s4, __m256 sc[2]) {
+    int32_t word;
+    memcpy(&word, s4, 4);
+    const __m128i b = _mm_cvtsi32_si128(word);
+    const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), b), 1), _mm_set1_epi16((short)0xBFFF));
+    const __m256 v = _mm256_castps128_ps256(_mm_cvtph_ps(h));
+    sc[0] = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+    sc[1] = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+}
+
+// One activation row, nvfp4 with K a multiple of 64: the products of each half vector's group are
+// summed per chunk, then times the group scales (exact e2m1 x x products, one fp32 multiply per
+// group sum instead of one per weight vector). Returns the sum times 2^-8.
+static inline float gemv_row_fp4_m1(const LlkArgs& a, const uint8_t* wrow, const uint8_t* srow, const float* x,
+                                    const Tables& t) {
+    const int64_t nchunk = a.K / 64;
+    __m256 tot0 = _mm256_setzero_ps(), tot1 = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nchunk; c++) {
+        __m256 d[8], sc[2];
+        decode4(_mm256_loadu_si256((const __m256i*)(wrow + 32 * c)), t.fp4_lo, t.fp4_hi, d);
+        fp4_chunk_scales(srow + 4 * c, sc);
+        const float* xc = x + 64 * c;
+        __m256 h0a = _mm256_mul_ps(d[0], _mm256_loadu_ps(xc)), h0b = _mm256_mul_ps(d[1], _mm256_loadu_ps(xc + 8));
+        __m256 h1a = _mm256_mul_ps(d[2], _mm256_loadu_ps(xc + 16)), h1b = _mm256_mul_ps(d[3], _mm256_loadu_ps(xc + 24));
+        h0a = _mm256_fmadd_ps(d[4], _mm256_loadu_ps(xc + 32), h0a);
+        h0b = _mm256_fmadd_ps(d[5], _mm256_loadu_ps(xc + 40), h0b);
+        h1a = _mm256_fmadd_ps(d[6], _mm256_loadu_ps(xc + 48), h1a);
+        h1b = _mm256_fmadd_ps(d[7], _mm256_loadu_ps(xc + 56), h1b);
+        tot0 = _mm256_fmadd_ps(_mm256_add_ps(h0a, h0b), sc[0], tot0);
+        tot1 = _mm256_fmadd_ps(_mm256_add_ps(h1a, h1b), sc[1], tot1);
+    }
+    return hsum(_mm256_add_ps(tot0, tot1));
+}
+
 template <int WF, int SF, int MR>
 static inline void gemv_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, const float* x,
                             const Tables& t, float res[MR]) {
@@ -249,6 +294,10 @@ static inline void gemv_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int
     const void* srow = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
     if (WF == W_INT4 && MR == 1 && a.gs % 64 == 0) {
         res[0] = gemv_row_int4_m1<SF>(a, wrow, srow, x, t);
+        return;
+    }
+    if (WF == W_FP4 && MR == 1 && a.K % 64 == 0) {
+        res[0] = gemv_row_fp4_m1(a, wrow, (const uint8_t*)srow, x, t) * kFp8Unit;
         return;
     }
     const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
@@ -267,13 +316,18 @@ static inline void gemv_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int
         const __m256i tlo = WF == W_FP4 ? t.fp4_lo : t.int4_lo, thi = WF == W_FP4 ? t.fp4_hi : t.int4_hi;
         const int64_t ngroups = a.K / a.gs;
         for (int64_t c = 0; c < nchunk; c++) {
-            __m256 d[8], sc[2];
-            decode4(load_chunk(wrow + 32 * c, row_bytes - 32 * c), tlo, thi, d);
+            __m256 sc[2];
+            const __m256i v = load_chunk(wrow + 32 * c, row_bytes - 32 * c);
             chunk_scales<SF>(srow, c, a.gs, ngroups, t, sc);
-            for (int j = 0; j < 8; j++) {
-                const __m256 wv = _mm256_mul_ps(d[j], sc[(j / 2) % 2]);  // q * s, as the reference
-                for (int m = 0; m < MR; m++)
-                    acc.v[m][j % NA] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * a.ldx + 64 * c + 8 * j), acc.v[m][j % NA]);
+            for (int s = 0; s < 2; s++) {  // half a chunk at a time: fewer live registers with many rows
+                __m256 d[4];
+                decode4_half(nibbles(v, s), tlo, thi, d);
+                for (int i = 0; i < 4; i++) {
+                    const int j = 4 * s + i;
+                    const __m256 wv = _mm256_mul_ps(d[i], sc[i / 2]);  // q * s, as the reference
+                    for (int m = 0; m < MR; m++)
+                        acc.v[m][j % NA] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * a.ldx + 64 * c + 8 * j), acc.v[m][j % NA]);
+                }
             }
         }
     }
@@ -306,7 +360,7 @@ static void gemv_tile(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, int64
     }
 }
 
-static const int kGemvRows = 4;  // activation rows per register tile
+static const int kGemvRows = 8;  // activation rows per register tile (one decode feeds them all)
 static const int kGemvTileN = 16;
 
 // Threads worth waking for `bytes` of weights: on a loaded machine a second thread may wait a
@@ -334,7 +388,11 @@ static void gemv_impl(const LlkArgs& a) {
                 case 1: gemv_tile<WF, SF, 1>(a, e, n0, n1, r, t); break;
                 case 2: gemv_tile<WF, SF, 2>(a, e, n0, n1, r, t); break;
                 case 3: gemv_tile<WF, SF, 3>(a, e, n0, n1, r, t); break;
-                default: gemv_tile<WF, SF, 4>(a, e, n0, n1, r, t); break;
+                case 4: gemv_tile<WF, SF, 4>(a, e, n0, n1, r, t); break;
+                case 5: gemv_tile<WF, SF, 5>(a, e, n0, n1, r, t); break;
+                case 6: gemv_tile<WF, SF, 6>(a, e, n0, n1, r, t); break;
+                case 7: gemv_tile<WF, SF, 7>(a, e, n0, n1, r, t); break;
+                default: gemv_tile<WF, SF, 8>(a, e, n0, n1, r, t); break;
             }
         }
     }

@@ -344,7 +344,7 @@ def test_nvfp4_k_not_a_multiple_of_32(isa):
 @pytest.mark.parametrize("k", [128, 200, 2048])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
 def test_bf16_linear_matches_fp32_product(m, k, isa):
-    """Up to BF16_GEMV_MAX_ROWS rows go through the C GEMV, more through oneDNN: both are the
+    """Up to BF16_GEMV_MAX_ROWS rows go through the C GEMV, more through PyTorch: both are the
     fp32 product of the bf16 values rounded once to bf16 (exact products, fp32 sums)."""
     n = 37  # not a multiple of the 16-row tile
     base = torch.randn(n, k + 8).to(torch.bfloat16)
@@ -356,4 +356,8 @@ def test_bf16_linear_matches_fp32_product(m, k, isa):
     absdot = (x.float().abs() @ w.float().abs().T).reshape(-1, n)
     assert_close(out, ref, absdot, EXACT)
     # the C GEMV takes exactly the calls whose rows fit
-    assert (cpu._gemv_bf16(x, w) is not None) == (2 * m <= cpu.BF16_GEMV_MAX_ROWS and isa != "none")
+    assert (cpu._gemv_bf16(x, w) is not None) == (isa != "none" and 2 * m <= cpu.BF16_GEMV_MAX_ROWS[isa])
+    # more rows than the GEMV takes: PyTorch's GEMM (bf16, or fp32 tiles without AVX512-BF16)
+    xl = torch.randn(70, k).to(torch.bfloat16)
+    ref = (xl.float() @ w.float().T).to(torch.bfloat16)
+    assert_close(cpu.linear(xl, w), ref, xl.float().abs() @ w.float().abs().T, EXACT)

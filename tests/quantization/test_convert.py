@@ -91,21 +91,30 @@ def test_modules_swapped_per_mode(tiny_ckpt, dist1):
 
 
 def test_bf16_layers_run_on_the_kernels_gemv_with_the_same_numbers(tiny_ckpt, dist1):
-    """On a CPU in bf16 the layers a mode leaves unquantized become KernelLinear (mode none too);
-    prefill equals the core's layers exactly, decode within bf16 rounding and with the same argmax."""
+    """On a CPU in bf16 the layers a mode leaves unquantized (linear layers, dense SwiGLUs, routed
+    experts in mode none) run through kernels.linear. Where PyTorch's bf16 GEMM is native (AVX512-BF16,
+    AMX) prefill takes it and equals the core's layers exactly; elsewhere prefill rows go through the
+    GEMV or fp32 tiles. Everywhere: within bf16 rounding and with the same argmax."""
     from functools import partial
 
     from quantization.convert import convert_to_quantized_model
-    from quantization.modules import KernelLinear
+    from quantization.modules import KernelExperts, KernelFeedForward, KernelLinear
 
     for mode in ("none", "int4_mixed"):
         fast = build(tiny_ckpt, mode, max_seq_len=32, max_batch_size=2, progress=False).model
         assert isinstance(fast.layers[0].attention.wq, KernelLinear) and isinstance(fast.output, KernelLinear)
+        if mode == "none":
+            moe = fast.layers[1].feed_forward
+            assert isinstance(moe.experts, KernelExperts) and isinstance(moe.shared_expert, KernelFeedForward)
         loader = partial(convert_to_quantized_model, quantization_mode=mode, progress=False, prepare=False)
         core = Llama4.build(tiny_ckpt, max_seq_len=32, max_batch_size=2, convert=loader).model
         assert not isinstance(core.layers[0].attention.wq, KernelLinear)
         tokens = TOKENS[:2, :9]
-        assert torch.equal(fast(tokens, 0), core(tokens, 0))
+        a, b = fast(tokens, 0), core(tokens, 0)
+        if cpu._native_bf16() and cpu.isa() != "avx2":
+            assert torch.equal(a, b)
+        assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
         for pos in range(9, 12):
             step = TOKENS[:2, pos : pos + 1]
             a, b = fast(step, pos), core(step, pos)
