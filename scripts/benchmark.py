@@ -56,8 +56,6 @@ FULL = dict(preset="bench", decode_tokens=24, decode_runs=5, batch=8, batch_toke
 QUICK = dict(preset="tiny", decode_tokens=6, decode_runs=2, batch=8, batch_tokens=4, batch_runs=1,
              prompt_len=8, prefill_len=64, prefill_runs=1, peer_tokens=4, peer_runs=1)
 
-# Reference points for the bench preset on a 2-core AVX-512/AMX Xeon (see the task notes).
-LLAMA_CPP = {"bf16_decode": 6.9, "q4_0_decode": 10.7, "bf16_prefill": 75.0}
 
 
 # ---- measuring ------------------------------------------------------------------------------------
@@ -555,7 +553,7 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def check_targets(results: list[dict], preset: str) -> list[dict]:
-    """The performance targets, each met or missed with its numbers (bench preset only for llama.cpp's)."""
+    """The performance targets, each met or missed with its numbers."""
     lite = {r["mode"]: r for r in results if r["engine"] == "llama-lite" and "error" not in r}
     peers = {r["engine"]: r for r in results if r["engine"] in PEERS and "error" not in r}
     out = []
@@ -567,15 +565,13 @@ def check_targets(results: list[dict], preset: str) -> list[dict]:
 
     bf16 = lite.get("bf16")
     if bf16:
-        target("bf16 decode % of roofline", bf16.get("roofline_pct"), 70, "%")
+        target("bf16 decode % of roofline", bf16.get("roofline_pct"), 80, "%")
         for name, peer in peers.items():
             target(f"bf16 decode vs {name}", bf16["decode_b1_tok_s"] / peer["decode_b1_tok_s"], 3, "x")
-        if preset == "bench":
-            target("bf16 prefill tok/s (2x llama.cpp)", bf16.get("prefill_tok_s"), 2 * LLAMA_CPP["bf16_prefill"])
     for mode, r in lite.items():
         if mode == "bf16":
             continue
-        if mode != "int4_all":  # int4_all's goal is llama.cpp's Q4_0 speed (below); its % is in the table
+        if mode != "int4_all":  # int4_all reads so few bytes that fixed per-token work dominates; its % is in the table
             target(f"{mode} decode % of roofline", r.get("roofline_pct"), 60 if mode == "int4_mixed" else 50, "%")
         if bf16:  # per GB/s of streaming read (see normalized_vs); the raw ratio is in the table
             target(f"{mode} decode vs bf16, per GB/s", normalized_vs(r, bf16), 1.0, "x")
@@ -584,8 +580,6 @@ def check_targets(results: list[dict], preset: str) -> list[dict]:
         need = int4["weights_gib"] + int4.get("kv_cache_gib", 0)
         target("int4_mixed load peak RSS / (weights + KV cache)", int4["load_peak_rss_gib"] / need, 1.25, "x",
                at_most=True)
-    if "int4_all" in lite and preset == "bench":
-        target("int4_all decode vs llama.cpp Q4_0", lite["int4_all"]["decode_b1_tok_s"], LLAMA_CPP["q4_0_decode"], "tok/s")
     return out
 
 
@@ -655,6 +649,10 @@ def machine_info(threads: int) -> dict:
             info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
+    from kernels import cpu
+
+    info["cpu_paths"] = list(cpu.cpu_isas())
+    info["cpu_path_in_force"] = cpu.isa()  # LLAMA_LITE_CPU_ISA, as every mode's process sees it
     return info
 
 
@@ -757,8 +755,7 @@ def main(
         print("| target | value | goal | met |\n|---|---|---|---|")
         for t in targets:
             print(f"| {t['target']} | {t['value']:.2f}{t['unit']} | {'<= ' if t.get('at_most') else ''}{t['goal']:g}{t['unit']} | {'yes' if t['met'] else 'NO'} |")
-    payload = {"settings": settings, "machine": info, "results": results, "targets": targets,
-               "reference_points": {"llama.cpp (bench preset, same CPU)": LLAMA_CPP}}
+    payload = {"settings": settings, "machine": info, "results": results, "targets": targets}
     out_path = Path(text_flag("out", out) or "results.json").expanduser()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(payload, indent=2))

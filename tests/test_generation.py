@@ -7,22 +7,61 @@ from llama_lite.errors import PromptError
 from llama_lite.model import MoE
 
 
+class RouteLog:
+    """Records each MoE layer's top-1 expert and top-1/top-2 router gap per token, call by call."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[list[int], list[float]]] = []
+        route = MoE.route
+
+        def logged(moe, x_aD):
+            top2 = (x_aD @ moe.router_DE).float().topk(2, dim=-1)
+            self.calls.append((top2.indices[..., 0].flatten().tolist(), (top2.values[..., 0] - top2.values[..., 1]).flatten().tolist()))
+            return route(moe, x_aD)
+
+        monkeypatch.setattr(MoE, "route", logged)
+
+    def per_position(self, n_layers: int) -> tuple[list[list[int]], list[list[float]]]:
+        """[layer][position] experts and gaps over the calls recorded so far (calls cover positions in order)."""
+        experts, gaps = [[] for _ in range(n_layers)], [[] for _ in range(n_layers)]
+        for i, (e, g) in enumerate(self.calls):
+            experts[i % n_layers] += e
+            gaps[i % n_layers] += g
+        self.calls.clear()
+        return experts, gaps
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_decode_equals_prefill_across_chunks(tiny_llama, tiny_llama_fp32, dtype):
+def test_decode_equals_prefill_across_chunks(tiny_llama, tiny_llama_fp32, dtype, monkeypatch):
     """Logits of token t from incremental decoding equal one prefill of the whole sequence
     (chunk size 8, temperature tuning floor 4: both active within 30 tokens).
 
     fp32 isolates the logic (1e-3). In bf16 the matmuls of 1 and 30 rows round differently:
-    logits reach |6|, where one bf16 step is 0.03, and 4 layers add a few such steps (0.125).
+    logits reach |6|, where one bf16 step is 0.03, and 4 layers add a few such steps (0.125). A
+    router near a tie (top-1 and top-2 logits within bf16 rounding) may then pick another expert,
+    which changes that token and, through the KV cache, later ones: in bf16 the comparison holds up
+    to the first such flip, and every flip found must be such a near tie.
     """
     model = (tiny_llama_fp32 if dtype == "fp32" else tiny_llama).model
     tol = 1e-3 if dtype == "fp32" else 0.125
     seq = torch.randint(0, 200000, (1, 30), generator=torch.Generator().manual_seed(5))
+    log = RouteLog(monkeypatch)
+    n_moe = sum(isinstance(layer.feed_forward, MoE) for layer in model.layers)
     full = model(seq, 0)
+    full_experts, full_gaps = log.per_position(n_moe)
     # prefill 5 tokens, then a 7-token prefill starting at start_pos 5 (crosses a chunk), then 1 at a time
     parts = [model(seq[:, :5], 0), model(seq[:, 5:12], 5)]
     parts += [model(seq[:, t : t + 1], t) for t in range(12, 30)]
     inc = torch.cat(parts, dim=1)
+    inc_experts, _ = log.per_position(n_moe)
+    flips = [(p, layer) for layer in range(n_moe) for p in range(30) if full_experts[layer][p] != inc_experts[layer][p]]
+    if dtype == "fp32":
+        assert not flips
+    for p, layer in flips:
+        assert full_gaps[layer][p] <= 2 * 2.0**-7 * 8, (p, layer, full_gaps[layer][p])  # within bf16 steps of |logits| <= 8
+    upto = min((p for p, _ in flips), default=30)
+    assert upto >= 5  # something is compared
+    inc, full = inc[:, :upto], full[:, :upto]
     assert (inc - full).abs().max().item() <= tol
     # Same greedy choice wherever the top two logits are further apart than the rounding.
     top2 = full.topk(2, dim=-1).values
@@ -50,9 +89,10 @@ def test_batch_invariance(tiny_llama):
     assert batched == alone
 
 
-def test_per_row_start_positions(tiny_llama):
-    """Rows decoding at different positions in one call equal each row decoded alone."""
-    model = tiny_llama.model
+def test_per_row_start_positions(tiny_llama_fp32):
+    """Rows decoding at different positions in one call equal each row decoded alone (fp32: the
+    logic alone; in bf16 a batch of 2 rows takes other matmul kernels than 1 row, one ulp apart)."""
+    model = tiny_llama_fp32.model
     a = torch.randint(0, 200000, (1, 9), generator=torch.Generator().manual_seed(1))
     b = torch.randint(0, 200000, (1, 4), generator=torch.Generator().manual_seed(2))
     ref_a = model(a, 0)[:, -1]
@@ -62,7 +102,7 @@ def test_per_row_start_positions(tiny_llama):
     model(batch[:, :-1], 0)  # both rows prefilled (row 1 beyond its length holds padding)
     step = torch.stack([a[0, 8], b[0, 3]]).view(2, 1)
     got = model(step, torch.tensor([8, 3]))[:, -1]
-    assert torch.allclose(got[0], ref_a[0], atol=0.03) and torch.allclose(got[1], ref_b[0], atol=0.03)
+    assert torch.allclose(got[0], ref_a[0], atol=1e-4) and torch.allclose(got[1], ref_b[0], atol=1e-4)
 
 
 def dense_moe(moe: MoE, x_aD: torch.Tensor) -> torch.Tensor:

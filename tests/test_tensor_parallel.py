@@ -67,13 +67,15 @@ def test_world_size_2_equals_one_process(world2, reference, case):
 
 def test_world_size_2_in_bf16_is_within_rounding(world2, reference):
     got, want = world2["mp1_bf16"], reference["bf16"]
+    compared = 0
     for key in ("prefill", "decode"):
         diff = (got[key] - want[key]).abs()
         assert diff.max().item() <= BF16_TOL and diff.mean().item() <= 0.02, key
         top2 = want[key].topk(2, dim=-1).values
         clear = (top2[..., 0] - top2[..., 1]) > 2 * BF16_TOL
-        assert clear.any()
+        compared += int(clear.sum())
         assert torch.equal(got[key].argmax(-1)[clear], want[key].argmax(-1)[clear])
+    assert compared > 0  # the argmax comparison is not vacuous (a few decode steps alone may all be close)
 
 
 @pytest.mark.parametrize("source", ["tiny_ckpt_mp2", "tiny_ckpt_mp4"])
