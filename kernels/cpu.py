@@ -38,22 +38,34 @@ call. Each library is built once per (source, compiler, flags) into a user cache
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import reference
+from .cpu_lib import (
+    ISAS,
+    S_BF16,
+    S_E4M3,
+    S_F32,
+    S_NONE,
+    W_FP4,
+    W_FP8,
+    W_INT4,
+    LlkArgs,
+    LlkWeight,
+    amx_available,
+    available,
+    cpu_isas,
+    gemv_lib,
+    isa,
+    library,
+    native_bf16,
+    requested_isa,
+    set_isa,
+)
 from .formats import (
     Fp8Weight,
     Int4Weight,
@@ -68,11 +80,6 @@ from .formats import (
 from .reference import Weight, check_offsets
 
 log = logging.getLogger("llama_lite.kernels")
-
-W_INT4, W_FP4, W_FP8 = 0, 1, 2  # the libraries' WeightFormat
-S_NONE, S_BF16, S_F32, S_E4M3 = 0, 1, 2, 3  # the libraries' ScaleFormat
-
-ISAS = ("amx", "avx512", "avx2", "none")  # best first
 
 # Rows of one expert up to which the fp32-FMA GEMV beats the path for many rows, per path and
 # weight format. amx: measured one core, weights in L2 (int4 / w4a8 / nvfp4 GEMV ~1.5x AMX at 1 row
@@ -91,231 +98,6 @@ BF16_GEMV_MAX_ROWS = {"amx": 4, "avx512": 4, "avx2": 64}
 PREFILL_TILE_N = 512
 # Weight rows dequantized at a time by PyTorch on the ``none`` path.
 TORCH_TILE_N = 512
-
-_CSRC = Path(__file__).parent / "csrc"
-_COMMON_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c++17"]
-_LIBS = {  # library -> (source, compiler flags, CPU flags it needs)
-    "avx512": (
-        _CSRC / "llk.cpp",
-        ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi", "-mfma", "-mf16c",
-         "-mamx-tile", "-mamx-bf16"],
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi", "f16c", "fma"),
-    ),
-    "avx2": (_CSRC / "llk_avx2.cpp", ["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
-}  # fmt: skip
-_AMX_FLAGS = ("amx_tile", "amx_bf16")
-_ISA_NEEDS = {  # CPU flags each path needs (the avx512 paths also use the AVX2 library)
-    "amx": _LIBS["avx512"][2] + _LIBS["avx2"][2] + _AMX_FLAGS,
-    "avx512": _LIBS["avx512"][2] + _LIBS["avx2"][2],
-    "avx2": _LIBS["avx2"][2],
-    "none": (),
-}
-
-
-# ---- which path: the CPU, the cap, the libraries
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_isas() -> tuple[str, ...]:
-    """The paths this CPU can run, best first; ``none`` (PyTorch only) always."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return ("none",)
-    flags = _cpu_flags()
-    return tuple(isa for isa in ISAS if all(f in flags for f in _ISA_NEEDS[isa]))
-
-
-_isa: Optional[str] = None  # set_isa's choice; None: LLAMA_LITE_CPU_ISA or the best
-_lock = threading.RLock()
-
-
-def _check_isa(name: str) -> str:
-    name = name.strip().lower()
-    if name not in ISAS:
-        raise ValueError(f"unknown CPU path {name!r} (LLAMA_LITE_CPU_ISA); choose one of {', '.join(ISAS)}")
-    have = cpu_isas()
-    if name not in have:
-        missing = sorted(f for f in _ISA_NEEDS[name] if f not in _cpu_flags())
-        raise ValueError(
-            f"LLAMA_LITE_CPU_ISA={name} needs CPU features this CPU lacks ({', '.join(missing) or platform.machine()}); "
-            f"it can run: {', '.join(have)}"
-        )
-    return name
-
-
-def set_isa(name: Optional[str]) -> None:
-    """Cap the CPU path for every later call (``None``: back to LLAMA_LITE_CPU_ISA or the best)."""
-    global _isa
-    with _lock:
-        _isa = None if name is None else _check_isa(name)
-
-
-def requested_isa() -> str:
-    """The cap asked for: set_isa's, else LLAMA_LITE_CPU_ISA, else the best this CPU has."""
-    if _isa is not None:
-        return _isa
-    env = os.environ.get("LLAMA_LITE_CPU_ISA", "")
-    if env not in _checked_env:
-        _checked_env[env] = _check_isa(env) if env.strip() else cpu_isas()[0]
-    return _checked_env[env]
-
-
-_checked_env: dict[str, str] = {}
-
-
-_libs: dict[str, Optional[ctypes.CDLL]] = {}
-_amx_ok: Optional[bool] = None
-_warned: set[str] = set()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("LLAMA_LITE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "llama_lite"
-    )
-    return Path(root) / "kernels"
-
-
-def _compile(cxx: str, src: Path, flags: list[str], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # build under a temporary name and rename: concurrent processes never load a partial file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cxx, *_COMMON_FLAGS, *flags, "-o", tmp, str(src)], check=True, capture_output=True, text=True)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _declare(lib: ctypes.CDLL, kind: str) -> None:
-    i64, vp, args = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(_Args)
-    common = [
-        ("llk_abi_version", [], ctypes.c_int),
-        ("llk_gemv", [args], ctypes.c_int),
-        ("llk_gemv_bf16", [vp, i64, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int], None),
-        ("llk_quant_fp8_rows", [vp, i64, i64, i64, ctypes.c_float, vp, vp, i64, vp, ctypes.c_int], None),
-        ("llk_quant_nvfp4_rows", [vp, i64, i64, i64, vp, vp, i64, ctypes.c_int], ctypes.c_int),
-    ]
-    own = {
-        "avx512": [("llk_amx_init", [], ctypes.c_int), ("llk_amx", [args, i64, i64], ctypes.c_int)],
-        "avx2": [("llk_gemv_order", [ctypes.c_int, vp], ctypes.c_int),
-                 ("llk_dequant_f32", [args, i64, i64, i64, vp, i64], ctypes.c_int)],
-    }[kind]  # fmt: skip
-    for name, argtypes, restype in common + own:
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = restype
-
-
-def _library(kind: str) -> Optional[ctypes.CDLL]:
-    """The compiled library ``kind`` (avx512 or avx2), built on first use; None when it cannot be had."""
-    with _lock:
-        if kind in _libs:
-            return _libs[kind]
-        _libs[kind] = None
-        src, flags, _ = _LIBS[kind]
-        cxx = os.environ.get("CXX", "g++")
-        if shutil.which(cxx) is None:
-            log.warning("kernels: no C++ compiler (%s) found; CPU kernels fall back to PyTorch", cxx)
-            return None
-        try:
-            version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-            key = hashlib.sha256((src.read_text() + " ".join(_COMMON_FLAGS + flags) + version).encode()).hexdigest()[:16]
-            path = _cache_dir() / f"{src.stem}-{key}.so"
-            if not path.exists():
-                log.info("kernels: compiling %s -> %s", src.name, path)
-                _compile(cxx, src, flags, path)
-            lib = ctypes.CDLL(str(path))
-            _declare(lib, kind)
-        except (OSError, subprocess.CalledProcessError) as err:
-            detail = getattr(err, "stderr", "") or str(err)
-            log.warning("kernels: building %s failed (%s); falling back to PyTorch", src.name, detail[-500:])
-            return None
-        _libs[kind] = lib
-        return lib
-
-
-_resolved: dict[str, str] = {}
-
-
-def isa() -> str:
-    """The CPU path in force: the cap asked for, or ``none`` where its libraries cannot be built."""
-    want = requested_isa()
-    got = _resolved.get(want)
-    if got is None:
-        got = _resolved[want] = _resolve(want)
-    return got
-
-
-def _resolve(want: str) -> str:
-    global _amx_ok
-    if want == "none":
-        return "none"
-    kinds = ("avx2",) if want == "avx2" else ("avx512", "avx2")
-    if any(_library(k) is None for k in kinds):
-        if want not in _warned:
-            _warned.add(want)
-            log.warning("kernels: the %s CPU path is unavailable (no compiler or a failed build); using PyTorch", want)
-        return "none"
-    if want == "amx":
-        with _lock:
-            if _amx_ok is None:  # the kernel's permission for the tile state, once per process
-                _amx_ok = _library("avx512").llk_amx_init() == 1
-        if not _amx_ok:
-            if "amx-perm" not in _warned:
-                _warned.add("amx-perm")
-                log.warning("kernels: the OS refused the AMX tile state; using the avx512 path")
-            return "avx512"
-    return want
-
-
-def available() -> bool:
-    """Whether a C++ fast path is in use here (the path in force is not ``none``)."""
-    return isa() != "none"
-
-
-def amx_available() -> bool:
-    """Whether the AMX path is in force."""
-    return isa() == "amx"
-
-
-def _native_bf16() -> bool:
-    """Whether PyTorch's bf16 GEMM has hardware support here (else it is far slower than fp32)."""
-    return cpu_isas()[0] in ("amx", "avx512") or platform.machine().lower() not in ("x86_64", "amd64")
-
-
-def _gemv_lib(path: str) -> ctypes.CDLL:
-    return _library("avx2" if path == "avx2" else "avx512")
-
-
-class _Weight(ctypes.Structure):
-    _fields_ = [
-        ("w", ctypes.c_void_p), ("w_estride", ctypes.c_int64), ("w_ldn", ctypes.c_int64),
-        ("s", ctypes.c_void_p), ("s_estride", ctypes.c_int64), ("s_ldn", ctypes.c_int64),
-        ("rowscale", ctypes.c_void_p), ("r_estride", ctypes.c_int64), ("alpha", ctypes.c_void_p),
-    ]  # fmt: skip
-
-
-class _Args(ctypes.Structure):
-    _fields_ = [
-        ("wfmt", ctypes.c_int32), ("sfmt", ctypes.c_int32), ("gs", ctypes.c_int32), ("nthreads", ctypes.c_int32),
-        ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("E", ctypes.c_int64),
-        ("row_start", ctypes.c_void_p), ("row_end", ctypes.c_void_p),
-        ("x", ctypes.c_void_p), ("ldx", ctypes.c_int64), ("tokscale", ctypes.c_void_p),
-        ("out", ctypes.c_void_p), ("ldo", ctypes.c_int64),
-        ("w1", _Weight), ("w3", _Weight),
-    ]  # fmt: skip
 
 
 # ---- prepared forms
@@ -379,7 +161,7 @@ def _llk_form(w: Weight, layout: tuple[int, int, int], path: str) -> dict:
         if w.input_global_scale is not None:
             g = g * w.input_global_scale.double()  # activations enter as e2m1 * local
         alpha = _per_expert(1.0 / g, e1)
-    cw = _Weight(
+    cw = LlkWeight(
         _ptr(data), data.stride(0), data.stride(1),
         _ptr(scales), scales.stride(0) if scales is not None else 0, scales.stride(1) if scales is not None else 0,
         _ptr(rowscale), n, _ptr(alpha),
@@ -442,7 +224,7 @@ def describe(w: Weight) -> str:
     if isinstance(w, torch.Tensor):
         if path == "none" or w.dtype != torch.bfloat16:
             return "cpu/none: PyTorch matmul"
-        big = "PyTorch bf16 GEMM" if _native_bf16() else "fp32 weight tiles + PyTorch fp32 GEMM"
+        big = "PyTorch bf16 GEMM" if native_bf16() else "fp32 weight tiles + PyTorch fp32 GEMM"
         return f"cpu/{path}: bf16 GEMV up to {BF16_GEMV_MAX_ROWS[path]} rows, {big} above"
     form = _form(w)
     if form["path"] == "torch":
@@ -483,7 +265,7 @@ def _block_order(lib: str, order: str, wfmt: int) -> torch.Tensor:
     if lib == "avx512":
         return _block_order_avx512(order, wfmt)
     buf = (ctypes.c_int32 * 64)()
-    count = _library("avx2").llk_gemv_order(wfmt, buf)
+    count = library("avx2").llk_gemv_order(wfmt, buf)
     return torch.tensor(list(buf[:count]), dtype=torch.long)
 
 
@@ -521,7 +303,7 @@ def _activations(form: dict, x: torch.Tensor, off: list[int]) -> tuple[torch.Ten
     Quantized activations come back exactly (e4m3 values; nvfp4 as e2m1 * local scale, the global
     scale being in the weight's alpha).
     """
-    lib = _gemv_lib(form["path"])
+    lib = gemv_lib(form["path"])
     nt = torch.get_num_threads()
     if form["act"] is None:
         return x if x.dtype == torch.float32 else x.float(), None
@@ -555,9 +337,9 @@ def _rows_array(values: list[int]) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
 
 
-def _args(form: dict, x: torch.Tensor, tokscale, out, starts, ends, form3: Optional[dict]) -> _Args:
+def _args(form: dict, x: torch.Tensor, tokscale, out, starts, ends, form3: Optional[dict]) -> LlkArgs:
     """The C argument block; ``starts`` / ``ends`` are ctypes int64 arrays the caller keeps alive."""
-    a = _Args()
+    a = LlkArgs()
     a.wfmt, a.sfmt, a.gs, a.nthreads = form["wfmt"], form["sfmt"], form["gs"], torch.get_num_threads()
     a.N, a.K, a.E = form["n"], form["k"], form["e"]
     if starts is not None:
@@ -582,7 +364,7 @@ def _tile_expert(form: dict, xe: torch.Tensor, e: int, tok: Optional[torch.Tenso
     out = torch.empty(xe.shape[0], n, dtype=torch.float32)
     buf = torch.empty(min(PREFILL_TILE_N, n), kp, dtype=torch.float32)
     a = _args(form, buf, None, None, None, None, None)
-    lib = _library("avx2")
+    lib = library("avx2")
     for n0 in range(0, n, PREFILL_TILE_N):
         n1 = min(n0 + PREFILL_TILE_N, n)
         _check(lib.llk_dequant_f32(ctypes.byref(a), e, n0, n1, buf.data_ptr(), kp), "llk_dequant_f32")
@@ -602,7 +384,7 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
     With ``form3`` (W3 of a SwiGLU), the result is silu(x W1.T) * (x W3.T).
     """
     path = form["path"]
-    lib, lib_name = _gemv_lib(path), ("avx2" if path == "avx2" else "avx512")
+    lib, lib_name = gemv_lib(path), ("avx2" if path == "avx2" else "avx512")
     e1, n, wfmt = form["e"], form["n"], form["wfmt"]
     t = x.shape[0]
     xa, tok = _activations(form, x, off)
@@ -738,7 +520,7 @@ def _gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
-    _gemv_lib(path).llk_gemv_bf16(w.data_ptr(), w.stride(0), n, k, x2.data_ptr(), k, x2.shape[0], out.data_ptr(), n,
+    gemv_lib(path).llk_gemv_bf16(w.data_ptr(), w.stride(0), n, k, x2.data_ptr(), k, x2.shape[0], out.data_ptr(), n,
                                   torch.get_num_threads())  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
@@ -754,7 +536,7 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         if out is not None:
             return out
         x2 = x.reshape(-1, w.shape[1])
-        if not _native_bf16():
+        if not native_bf16():
             # without AVX512-BF16, PyTorch's bf16 GEMM runs at a few GFLOP/s: fp32 tiles of the
             # weight (exact) and its fp32 GEMM, the same numbers (exact products, fp32 sums)
             out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu, dispatch
+from kernels import cpu, cpu_lib, dispatch
 from kernels import reference as R
 from kernels.formats import dequantize_weight, select_expert
 
@@ -238,8 +238,8 @@ def test_none_path_never_dequantizes_a_whole_weight(monkeypatch):
 
 def test_without_a_compiler_the_path_is_none(monkeypatch, caplog):
     monkeypatch.setenv("CXX", "no-such-compiler-here")
-    monkeypatch.setattr(cpu, "_libs", {})
-    monkeypatch.setattr(cpu, "_resolved", {})
+    monkeypatch.setattr(cpu_lib, "_libs", {})
+    monkeypatch.setattr(cpu_lib, "_resolved", {})
     with caplog.at_level(logging.WARNING, logger="llama_lite.kernels"):
         assert cpu.isa() == "none" and not cpu.available()
     assert any("no C++ compiler" in r.getMessage() for r in caplog.records)
@@ -275,12 +275,12 @@ def test_caps_above_the_cpu_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="unknown CPU path 'avx1024'.*choose one of amx, avx512, avx2, none"):
         cpu.set_isa("avx1024")
     # a CPU with AVX2 only: the AVX-512 and AMX caps are refused, naming what is missing
-    monkeypatch.setattr(cpu, "_cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "sse2"}))
-    monkeypatch.setattr(cpu, "cpu_isas", lambda: ("avx2", "none"))
+    monkeypatch.setattr(cpu_lib, "_cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "sse2"}))
+    monkeypatch.setattr(cpu_lib, "cpu_isas", lambda: ("avx2", "none"))
     for cap in ("avx512", "amx"):
         with pytest.raises(ValueError, match=rf"LLAMA_LITE_CPU_ISA={cap} needs CPU features this CPU lacks \(.*avx512f.*\); it can run: avx2, none"):
             cpu.set_isa(cap)
-    monkeypatch.setattr(cpu, "_checked_env", {})
+    monkeypatch.setattr(cpu_lib, "_checked_env", {})
     monkeypatch.setenv("LLAMA_LITE_CPU_ISA", "avx512")
     with pytest.raises(ValueError, match="lacks"):
         cpu.requested_isa()

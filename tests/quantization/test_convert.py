@@ -111,7 +111,7 @@ def test_bf16_layers_run_on_the_kernels_gemv_with_the_same_numbers(tiny_ckpt, di
         assert not isinstance(core.layers[0].attention.wq, KernelLinear)
         tokens = TOKENS[:2, :9]
         a, b = fast(tokens, 0), core(tokens, 0)
-        if cpu._native_bf16() and cpu.isa() != "avx2":
+        if cpu.native_bf16() and cpu.isa() != "avx2":
             assert torch.equal(a, b)
         assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
         assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
