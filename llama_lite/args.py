@@ -283,8 +283,8 @@ def vision_args_from_hf_config(v: dict) -> VisionArgs:
         raise ConfigError("'vision_config' in config.json must be an object")
     dim, heads = v.get("hidden_size", 768), v.get("num_attention_heads", 16)
     hidden = v.get("intermediate_size", 5632)
-    out_dims = {v.get(k, 4096 if k.startswith("projector") else 7680)
-                for k in ("projector_input_dim", "projector_output_dim", "vision_output_dim")}
+    out = v.get("projector_output_dim", 4096)
+    out_dims = {v.get("projector_input_dim", 4096), out, v.get("vision_output_dim", out)}
     if len(out_dims) != 1:
         raise ConfigError("vision_config's projector_input_dim, projector_output_dim and vision_output_dim must be equal")
     rope = v.get("rope_parameters") or v.get("rope_scaling") or {}
