@@ -79,6 +79,8 @@ def _check_message(message: Any) -> None:
         raise PromptError(f"Unknown message role {message.role!r}: expected one of {', '.join(ROLES)} (or tool).")
     items = message.content if isinstance(message.content, list) else [message.content]
     for item in items:
+        if isinstance(message.content, list) and isinstance(item, str):
+            raise PromptError("Items of a message's content list must be RawTextItem or RawMediaItem, not str.")
         if isinstance(item, RawMediaItem) and item.type != "image":
             raise PromptError(f"Unknown media type {item.type!r}: only images are supported.")
         if isinstance(item, RawTextItem) and not isinstance(item.text, str):

@@ -158,21 +158,23 @@ def meta_transform(img: Image.Image, size: int, max_num_chunks: int):
     return tiles, grid
 
 
-SIZES = [(40, 30), (30, 200), (300, 90), (150, 151), (1000, 20), (7, 7), (448, 336)]
+# (width, height, colour mode, tile size, max_num_chunks): wide, tall, square, tiny, upscaled and
+# downscaled images; tie-breaking between canvases; transparency and palette / grey modes.
+PIXEL_CASES = [(40, 30, "RGB", 56, 16), (30, 200, "RGBA", 56, 16), (300, 90, "P", 56, 4), (150, 151, "L", 56, 16),
+               (1000, 20, "RGB", 56, 16), (7, 7, "RGBA", 112, 16), (448, 336, "RGB", 112, 4), (200, 90, "RGB", 56, 1),
+               (130, 257, "RGB", 112, 5), (112, 112, "RGBA", 56, 4)]
 
 
-@pytest.mark.parametrize("max_num_chunks", [1, 4, 16])
-def test_pixels_equal_llama_models_transform(max_num_chunks):
-    for i, (w, h) in enumerate(SIZES):
-        for mode in ("RGB", "RGBA", "L", "P"):
-            img = picture(w, h, seed=i, mode="RGBA" if mode == "RGBA" else "RGB")
-            if mode in ("L", "P"):
-                img = img.convert(mode)
-            for size in (56, 112):
-                want, grid = meta_transform(img.copy(), size, max_num_chunks)
-                got = transform_image(load_image(png_bytes(img)), size, max_num_chunks)
-                assert got.grid == grid, (w, h, mode, size)
-                assert torch.equal(got.tiles, want), (w, h, mode, size)
+def test_pixels_equal_llama_models_transform():
+    for i, (w, h, mode, size, max_num_chunks) in enumerate(PIXEL_CASES):
+        img = picture(w, h, seed=i, mode="RGBA" if mode == "RGBA" else "RGB")
+        if mode in ("L", "P"):
+            img = img.convert(mode)
+        want, grid = meta_transform(img.copy(), size, max_num_chunks)
+        got = transform_image(load_image(png_bytes(img)), size, max_num_chunks)
+        assert got.grid == grid, PIXEL_CASES[i]
+        assert torch.equal(got.tiles, want), PIXEL_CASES[i]
+    assert len({g for g in (transform_image(picture(w, h, 0), s, c).grid for w, h, _, s, c in PIXEL_CASES)}) >= 5
 
 
 def test_image_sources_agree_and_alpha_lies_over_white(tmp_path):
