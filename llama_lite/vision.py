@@ -212,6 +212,11 @@ class VisionEmbeddings(nn.Module):
 
 def vision_modules(args: VisionArgs, text_dim: int) -> tuple[VisionEmbeddings, ColumnLinear]:
     """The tower and its projection into the text model (``vision_embeddings``, ``vision_projection``)."""
+    tp = fs_init.get_model_parallel_world_size()
+    for what, n in (("width", args.dim), ("MLP width", int(args.mlp_ratio * args.dim)),
+                    ("output_dim", args.output_dim), ("text model width", text_dim)):
+        if n % tp:
+            raise ConfigError(f"the vision tower's {what} {n} does not divide by world size {tp}")
     saved = fs_layers._initialize_affine_weight
     # Weights always come from a checkpoint: skip fairscale's initialisation at construction.
     fs_layers._initialize_affine_weight = lambda *a, **k: None
