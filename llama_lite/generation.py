@@ -177,7 +177,7 @@ class Llama4:
             padded[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
 
         full = echo and logprobs
-        fused = self._image_embeddings(padded, images)
+        fused = self.image_inputs(padded, images)
         logits = self.model(padded, 0, last_index=None if full else lens - 1, **fused)
         if echo:
             lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, padded[:, 1:, None])[..., 0] if full else None
@@ -215,8 +215,9 @@ class Llama4:
             logits = self.model(nxt[:, None], write)
             pos = torch.where(done, pos, pos + 1)
 
-    def _image_embeddings(self, tokens: torch.Tensor, images) -> dict:
-        """forward's image_embeddings / image_mask for a padded batch of prompts (empty without images)."""
+    def image_inputs(self, tokens: torch.Tensor, images) -> dict:
+        """``Transformer.forward``'s image_embeddings / image_mask for a batch of (padded) prompt tokens
+        [B, S] and, per prompt, its images' tiles; empty when no prompt has an image."""
         patch = self.tokenizer.special_tokens["<|patch|>"]
         mask = tokens == patch
         tiles = [t for row in images or [] for t in row]

@@ -254,7 +254,7 @@ def test_dialog_logits_match_llama_models_and_transformers(ours, refs):
         inp = llama.formatter.encode_dialog(dialogs(IMAGES)[0][0])
         tokens = torch.tensor([inp.tokens])
         tiles = [t.tiles for t in inp.images]
-        got = llama.model(tokens, 0, **llama._image_embeddings(tokens, [tiles]))
+        got = llama.model(tokens, 0, **llama.image_inputs(tokens, [tiles]))
         meta, hf = refs(dtype)
         mask = (tokens == llama.tokenizer.special_tokens["<|patch|>"])[..., None]
         with torch.no_grad():

@@ -20,7 +20,7 @@ from scripts.chat_completion import image_dialog  # noqa: E402
 def probe(llama: Llama4) -> dict:
     inp = llama.formatter.encode_dialog(image_dialog())
     tokens = torch.tensor([inp.tokens])
-    logits = llama.model(tokens, 0, **llama._image_embeddings(tokens, [[t.tiles for t in inp.images]]))
+    logits = llama.model(tokens, 0, **llama.image_inputs(tokens, [[t.tiles for t in inp.images]]))
     reply = llama.generate_tokens([inp.tokens], images=[[t.tiles for t in inp.images]], temperature=0, max_gen_len=6,
                                   stop_tokens=[])[0]
     return {"logits": logits, "reply": reply, "world_size": llama.world_size}
