@@ -1,7 +1,7 @@
 """llama-lite: a minimal Llama 4 inference engine."""
 
-from .args import ModelArgs, MoEArgs
-from .chat_format import ChatFormat, RawMessage, ToolCall
+from .args import ModelArgs, MoEArgs, VisionArgs
+from .chat_format import ChatFormat, RawMediaItem, RawMessage, RawTextItem, ToolCall
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, ConfigError, LlamaLiteError, PromptError, TokenizerError
 from .generation import GenerationResult, Llama4
@@ -10,5 +10,6 @@ from .tokenizer import Tokenizer
 
 __all__ = [
     "ChatFormat", "Checkpoint", "CheckpointError", "ConfigError", "GenerationResult", "Llama4", "LlamaLiteError",
-    "ModelArgs", "MoEArgs", "PromptError", "RawMessage", "Tokenizer", "TokenizerError", "ToolCall", "Transformer",
+    "ModelArgs", "MoEArgs", "PromptError", "RawMediaItem", "RawMessage", "RawTextItem", "Tokenizer", "TokenizerError",
+    "ToolCall", "Transformer", "VisionArgs",
 ]

@@ -19,6 +19,56 @@ class MoEArgs:
 
 
 @dataclass
+class VisionArgs:
+    """The vision tower (encoder, pixel shuffle adapter); tiles and patches are square."""
+
+    image_size: int = -1  # side of one tile in pixels
+    patch_size: int = -1
+    dim: int = -1
+    n_layers: int = -1
+    n_heads: int = -1
+    mlp_ratio: float = 4.0
+    output_dim: int = -1  # width of the adapter's output, the input of the projection into the text model
+    pixel_shuffle_ratio: float = 0.5
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        # Meta writes sizes as {"height": h, "width": w}.
+        for name in ("image_size", "patch_size"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                if set(value) != {"height", "width"} or value["height"] != value["width"]:
+                    raise ConfigError(f"vision '{name}' must be square ({{'height': n, 'width': n}}), got {value!r}")
+                setattr(self, name, value["height"])
+        for name in ("image_size", "patch_size", "dim", "n_layers", "n_heads", "output_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"vision parameter '{name}' must be a positive integer, got {value!r}")
+        if self.image_size % self.patch_size:
+            raise ConfigError(f"vision image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 4:
+            raise ConfigError(f"vision dim {self.dim} must split into {self.n_heads} heads of a multiple of 4")
+        ratio = self.pixel_shuffle_ratio
+        side = self.image_size // self.patch_size
+        if not isinstance(ratio, (int, float)) or not 0 < ratio <= 1 or (side * ratio) % 1 or (self.dim / ratio**2) % 1:
+            raise ConfigError(f"vision pixel_shuffle_ratio {ratio!r} does not divide the {side}x{side} patch grid")
+
+    @property
+    def patches_per_tile(self) -> int:
+        """Embeddings (and ``<|patch|>`` tokens) one tile yields after pixel shuffle."""
+        side = self.image_size // self.patch_size
+        return side * side // int(round(1.0 / self.pixel_shuffle_ratio**2))
+
+    def to_params(self) -> dict[str, Any]:
+        """The params.json form: Meta's keys, plus rope_theta / norm_eps where they differ from Meta's fixed values."""
+        out = {k: v for k, v in vars(self).items() if (k, v) not in (("rope_theta", 10000.0), ("norm_eps", 1e-5))}
+        for name in ("image_size", "patch_size"):
+            out[name] = {"height": out[name], "width": out[name]}
+        return out
+
+
+@dataclass
 class ModelArgs:
     dim: int = -1
     n_layers: int = -1
@@ -41,6 +91,7 @@ class ModelArgs:
     floor_scale: float = 8192.0
     attn_scale: float = 0.1
     moe_args: Optional[MoEArgs] = None
+    vision_args: Optional[VisionArgs] = None
     # Explicit hidden sizes (Hugging Face configs state them); None = Meta's sizing rules.
     ffn_hidden_dim: Optional[int] = None
     moe_hidden_dim: Optional[int] = None
@@ -50,6 +101,8 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if isinstance(self.moe_args, dict):
             self.moe_args = _build(MoEArgs, self.moe_args, "moe_args")
+        if isinstance(self.vision_args, dict):
+            self.vision_args = _build(VisionArgs, self.vision_args, "vision_args")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_batch_size", "max_seq_len", "multiple_of"):
@@ -110,11 +163,12 @@ class ModelArgs:
         """The params.json form (Meta layout) of these arguments."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("max_batch_size", "max_seq_len")}
         out["moe_args"] = None if self.moe_args is None else dict(vars(self.moe_args))
+        out["vision_args"] = None if self.vision_args is None else self.vision_args.to_params()
         return {k: v for k, v in out.items() if v is not None}
 
 
-# Keys of Meta's params.json that describe parts this engine does not run (vision) or runtime limits.
-_IGNORED_PARAMS = {"vision_args", "quantization_args", "lora_args", "max_batch_size", "max_seq_len"}
+# Keys of Meta's params.json that describe parts this engine does not run or runtime limits.
+_IGNORED_PARAMS = {"quantization_args", "lora_args", "max_batch_size", "max_seq_len"}
 
 
 def _build(cls, values: dict, where: str):
@@ -150,6 +204,11 @@ def args_from_params(params: dict, **overrides: Any) -> ModelArgs:
     moe = values.pop("moe_args", None)
     if moe is not None and not isinstance(moe, dict):
         raise ConfigError("'moe_args' in params.json must be an object")
+    vision = values.get("vision_args")
+    if vision is not None:
+        if not isinstance(vision, dict):
+            raise ConfigError("'vision_args' in params.json must be an object")
+        values["vision_args"] = _build(VisionArgs, vision, "params.json vision_args")
     args = _build(ModelArgs, {**values, **overrides}, "params.json")
     if moe is not None:
         args.moe_args = _build(MoEArgs, moe, "params.json moe_args")
@@ -212,7 +271,34 @@ def args_from_hf_config(config: dict, **overrides: Any) -> ModelArgs:
     except KeyError as e:
         raise ConfigError(f"config.json lacks the key {e.args[0]!r}") from None
     _check_types(values, "config.json")
+    if config.get("vision_config") is not None:
+        values["vision_args"] = vision_args_from_hf_config(config["vision_config"])
     return _build(ModelArgs, {**values, **overrides}, "config.json")
+
+
+def vision_args_from_hf_config(v: dict) -> VisionArgs:
+    """VisionArgs from the vision_config of a Llama4ForConditionalGeneration config (transformers' defaults
+    for the keys it leaves out, as transformers itself reads it)."""
+    if not isinstance(v, dict):
+        raise ConfigError("'vision_config' in config.json must be an object")
+    dim, heads = v.get("hidden_size", 768), v.get("num_attention_heads", 16)
+    hidden = v.get("intermediate_size", 5632)
+    out = v.get("projector_output_dim", 4096)
+    out_dims = {v.get("projector_input_dim", 4096), out, v.get("vision_output_dim", out)}
+    if len(out_dims) != 1:
+        raise ConfigError("vision_config's projector_input_dim, projector_output_dim and vision_output_dim must be equal")
+    rope = v.get("rope_parameters") or v.get("rope_scaling") or {}
+    args = _build(VisionArgs, dict(
+        image_size=v.get("image_size", 448), patch_size=v.get("patch_size", 14), dim=dim,
+        n_layers=v.get("num_hidden_layers", 34), n_heads=heads,
+        mlp_ratio=hidden / dim if isinstance(dim, int) and dim > 0 and isinstance(hidden, (int, float)) else -1.0,
+        output_dim=out_dims.pop(), pixel_shuffle_ratio=v.get("pixel_shuffle_ratio", 0.5),
+        rope_theta=rope.get("rope_theta", v.get("rope_theta", 10000.0)), norm_eps=v.get("norm_eps", 1e-5),
+    ), "config.json vision_config")
+    # transformers sizes the encoder's MLP and the adapter's input both by intermediate_size.
+    if int(args.mlp_ratio * args.dim) != hidden or int(args.dim / args.pixel_shuffle_ratio**2) != hidden:
+        raise ConfigError(f"vision_config's intermediate_size {hidden} must equal hidden_size / pixel_shuffle_ratio**2")
+    return args
 
 
 def read_json(path: Path) -> dict:

@@ -1,8 +1,12 @@
-"""Llama 4 chat prompt format (text only) and parsing of the assistant's replies.
+"""Llama 4 chat prompt format (text and images) and parsing of the assistant's replies.
 
 A message is `<|header_start|>{role}<|header_end|>\\n\\n{content}` closed by `<|eot|>` (end of
 turn) or `<|eom|>` (end of message: the assistant called a tool and waits for its result).
-Token ids equal those of Meta's reference (`llama_models.llama4.chat_format`).
+An image in the content becomes `<|image_start|>`, a run of `<|patch|>` tokens per tile (tiles
+separated by `<|tile_x_separator|>` within a row and `<|tile_y_separator|>` after each row), then
+`<|image|>` and the thumbnail's run, and `<|image_end|>`; the model puts the image's patch
+embeddings in place of the `<|patch|>` tokens. Token ids equal those of Meta's reference
+(`llama_models.llama4.chat_format`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from llama_lite.args import VisionArgs
 from llama_lite.errors import PromptError
+from llama_lite.image_transform import TransformedImage, load_image, transform_image
 from llama_lite.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "ipython")
@@ -40,9 +46,22 @@ class ToolCall:
 
 
 @dataclass
+class RawTextItem:
+    text: str
+
+
+@dataclass
+class RawMediaItem:
+    """An image: bytes of an image file, a file path, a binary file object or a PIL image."""
+
+    data: Any
+    type: str = "image"
+
+
+@dataclass
 class RawMessage:
     role: str
-    content: str
+    content: str | RawTextItem | RawMediaItem | list[RawTextItem | RawMediaItem]
     stop_reason: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
 
@@ -58,8 +77,19 @@ def _check_message(message: Any) -> None:
     role = ROLE_ALIASES.get(message.role, message.role) if isinstance(message.role, str) else message.role
     if role not in ROLES:
         raise PromptError(f"Unknown message role {message.role!r}: expected one of {', '.join(ROLES)} (or tool).")
-    if not isinstance(message.content, str):
-        raise PromptError(f"Message content must be a str, not {type(message.content).__name__}.")
+    items = message.content if isinstance(message.content, list) else [message.content]
+    for item in items:
+        if isinstance(message.content, list) and isinstance(item, str):
+            raise PromptError("Items of a message's content list must be RawTextItem or RawMediaItem, not str.")
+        if isinstance(item, RawMediaItem) and item.type != "image":
+            raise PromptError(f"Unknown media type {item.type!r}: only images are supported.")
+        if isinstance(item, RawTextItem) and not isinstance(item.text, str):
+            raise PromptError(f"RawTextItem.text must be a str, not {type(item.text).__name__}.")
+        if not isinstance(item, (str, RawTextItem, RawMediaItem)):
+            raise PromptError(
+                f"Message content must be a str, a RawTextItem, a RawMediaItem or a list of them, not "
+                f"{type(item).__name__}."
+            )
     if message.stop_reason is not None and message.stop_reason not in STOP_REASONS:
         raise PromptError(
             f"Unknown stop reason {message.stop_reason!r}: expected one of {', '.join(STOP_REASONS)}."
@@ -215,11 +245,31 @@ def parse_assistant_content(content: str, stop_reason: str | None) -> RawMessage
     return RawMessage(role="assistant", content=content, stop_reason=stop_reason, tool_calls=tool_calls)
 
 
-class ChatFormat:
-    """Turns dialogs into prompt tokens and generated tokens back into messages."""
+def content_text(content) -> str:
+    """The content as text, an image shown as ``<image>`` (for printing a dialog)."""
+    items = content if isinstance(content, list) else [content]
+    return "".join(i if isinstance(i, str) else i.text if isinstance(i, RawTextItem) else "<image>" for i in items)
 
-    def __init__(self, tokenizer: Tokenizer):
+
+@dataclass
+class DialogInput:
+    """A prompt's tokens and its images' tiles, in the order of their ``<|patch|>`` runs."""
+
+    tokens: list[int]
+    images: list[TransformedImage] = field(default_factory=list)
+
+
+class ChatFormat:
+    """Turns dialogs into prompt tokens (and image tiles) and generated tokens back into messages.
+
+    ``vision_args``: the model's vision tower; without it a dialog with an image is refused.
+    ``max_num_chunks``: most tiles an image is cut into (the thumbnail not counted), as the reference's 16.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vision_args: VisionArgs | None = None, max_num_chunks: int = 16):
         self.tokenizer = tokenizer
+        self.vision_args = vision_args
+        self.max_num_chunks = max_num_chunks
 
     def _text(self, text: str) -> list[int]:
         # Default encode arguments: special-token strings in user text stay plain text.
@@ -238,12 +288,47 @@ class ChatFormat:
             raise PromptError(f"A completion prompt must be a str, not {type(text).__name__}.")
         return self.tokenizer.encode(text, bos=True, eos=False)
 
+    def image_tokens(self, image: TransformedImage) -> list[int]:
+        special, v = self.tokenizer.special_tokens, self.vision_args
+        patches = [special["<|patch|>"]] * v.patches_per_tile
+        tokens = [special["<|image_start|>"]]
+        if image.tiles.shape[0] > 1:
+            rows, cols = image.grid
+            for _ in range(rows):
+                for c in range(cols):
+                    tokens += patches + ([special["<|tile_x_separator|>"]] if c < cols - 1 else [])
+                tokens.append(special["<|tile_y_separator|>"])
+        return tokens + [special["<|image|>"], *patches, special["<|image_end|>"]]
+
+    def encode_image(self, data) -> tuple[list[int], TransformedImage]:
+        """Tokens and tiles of one image (bytes, a file path, a file object or a PIL image)."""
+        if self.vision_args is None:
+            raise PromptError("This model has no vision tower, so it cannot read images (its config has no vision_args).")
+        image = transform_image(load_image(data), self.vision_args.image_size, self.max_num_chunks)
+        return self.image_tokens(image), image
+
+    def _encode_content(self, content) -> tuple[list[int], list[TransformedImage]]:
+        tokens: list[int] = []
+        images: list[TransformedImage] = []
+        for item in content if isinstance(content, list) else [content]:
+            if isinstance(item, RawMediaItem):
+                toks, image = self.encode_image(item.data)
+                tokens += toks
+                images.append(image)
+            else:  # each text item is encoded on its own, as the reference does
+                tokens += self._text(item.text if isinstance(item, RawTextItem) else item)
+        return tokens, images
+
     def encode_message(self, message: RawMessage, tool_prompt_format: str = "json") -> list[int]:
+        return self._encode_message(message, tool_prompt_format)[0]
+
+    def _encode_message(self, message: RawMessage, tool_prompt_format: str) -> tuple[list[int], list[TransformedImage]]:
         _check_message(message)
         _check_tool_prompt_format(tool_prompt_format)
         role = ROLE_ALIASES.get(message.role, message.role)
         tokens = self.encode_header(role)
-        tokens += self._text(message.content)
+        content, images = self._encode_content(message.content)
+        tokens += content
         ends_message = role == "ipython"
         if role == "assistant":
             for call in message.tool_calls:
@@ -252,21 +337,28 @@ class ChatFormat:
             # continues.
             ends_message = message.stop_reason == "end_of_message" or bool(message.tool_calls)
         tokens.append(self.tokenizer.special_tokens["<|eom|>" if ends_message else "<|eot|>"])
-        return tokens
+        return tokens, images
 
     def encode_dialog_prompt(self, messages: list[RawMessage], tool_prompt_format: str = "json") -> list[int]:
-        """BOS, every message, then an open assistant header for the model to complete."""
+        """BOS, every message, then an open assistant header for the model to complete (tokens only;
+        ``encode_dialog`` also gives the images' tiles)."""
+        return self.encode_dialog(messages, tool_prompt_format).tokens
+
+    def encode_dialog(self, messages: list[RawMessage], tool_prompt_format: str = "json") -> DialogInput:
+        """The prompt of ``encode_dialog_prompt`` with the tiles of every image in it."""
         if isinstance(messages, (str, bytes, RawMessage)) or not hasattr(messages, "__iter__"):
             raise PromptError("A dialog must be a list of RawMessage.")
         messages = list(messages)
         if not messages:
             raise PromptError("A dialog must contain at least one message.")
         _check_tool_prompt_format(tool_prompt_format)
-        tokens = [self.tokenizer.bos_id]
+        tokens, images = [self.tokenizer.bos_id], []
         for message in messages:
-            tokens += self.encode_message(message, tool_prompt_format)
+            toks, imgs = self._encode_message(message, tool_prompt_format)
+            tokens += toks
+            images += imgs
         tokens += self.encode_header("assistant")
-        return tokens
+        return DialogInput(tokens, images)
 
     def decode_assistant_message(self, tokens: list[int], stop_reason: str | None) -> RawMessage:
         return self.decode_assistant_message_from_content(self.tokenizer.decode(tokens), stop_reason)

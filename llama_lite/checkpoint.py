@@ -26,6 +26,13 @@ _SHARD_RE = re.compile(r"consolidated\.(\d+)\.pth$")
 _SPLIT_RULES: list[tuple[re.Pattern, Optional[int]]] = [
     (re.compile(p), axis)
     for p, axis in [
+        # The vision tower (Meta's names): attention and MLPs as in the text model, biases with their
+        # output rows; row-parallel biases, norms and embeddings whole.
+        (r"^vision_embeddings\..*\.(wo|c_proj)\.bias$", None),
+        (r"^vision_embeddings\..*\.(w[qkv]|c_fc|_linear)\.(weight|bias)$", 0),
+        (r"^vision_embeddings\..*\.(wo|c_proj)\.weight$", 1),
+        (r"^vision_embeddings\..*(ln_\w+\.(weight|bias)|class_embedding|positional_embedding_vlm)$", None),
+        (r"^vision_projection\.weight$", 0),
         (r"^tok_embeddings\.weight$", 0),
         (r"^output\.weight$", 0),
         (r"\.attention\.w[qkv]\.weight$", 0),
@@ -131,7 +138,7 @@ def _meta_shard_index(state: dict, args: ModelArgs, mp: int) -> dict[str, Callab
     index: dict[str, Callable[[], torch.Tensor]] = {}
     hd = args.head_dim
     for key in state:
-        if key.endswith("._extra_state") or key == "rope.freqs" or key.startswith("vision_"):
+        if key.endswith("._extra_state") or key == "rope.freqs":
             continue
         m = re.match(r"^(layers\.\d+\.)(.*)$", key)
         prefix, rest = (m.group(1), m.group(2)) if m else ("", key)
@@ -179,6 +186,23 @@ _HF_RENAMES = [
     (r"^model\.layers\.(\d+)\.feed_forward\.(shared_expert\.)?up_proj\.weight$", r"layers.\1.feed_forward.\2w3.weight"),
     (r"^model\.layers\.(\d+)\.feed_forward\.(shared_expert\.)?down_proj\.weight$", r"layers.\1.feed_forward.\2w2.weight"),
     (r"^model\.layers\.(\d+)\.feed_forward\.experts\.down_proj$", r"layers.\1.feed_forward.experts.w2"),
+    # The vision tower of Llama4ForConditionalGeneration.
+    (r"^(model\.)?multi_modal_projector\.linear_1\.weight$", "vision_projection.weight"),
+    (r"^(model\.)?vision_model\.vision_adapter\.mlp\.fc1\.weight$", "vision_embeddings.vision_adapter.mlp.c_fc.weight"),
+    (r"^(model\.)?vision_model\.vision_adapter\.mlp\.fc2\.weight$", "vision_embeddings.vision_adapter.mlp.c_proj.weight"),
+    (r"^(model\.)?vision_model\.patch_embedding\.linear\.weight$", "vision_embeddings.vision_encoder.conv1._linear.weight"),
+    (r"^(model\.)?vision_model\.(class_embedding|positional_embedding_vlm)$", r"vision_embeddings.vision_encoder.\2"),
+    (r"^(model\.)?vision_model\.layernorm_(pre|post)\.(weight|bias)$", r"vision_embeddings.vision_encoder.ln_\2.\3"),
+    (r"^(model\.)?vision_model\.model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)$",
+     r"vision_embeddings.vision_encoder.transformer.resblocks.\2.attn.w\3.\4"),
+    (r"^(model\.)?vision_model\.model\.layers\.(\d+)\.mlp\.fc1\.(weight|bias)$",
+     r"vision_embeddings.vision_encoder.transformer.resblocks.\2.mlp.c_fc.\3"),
+    (r"^(model\.)?vision_model\.model\.layers\.(\d+)\.mlp\.fc2\.(weight|bias)$",
+     r"vision_embeddings.vision_encoder.transformer.resblocks.\2.mlp.c_proj.\3"),
+    (r"^(model\.)?vision_model\.model\.layers\.(\d+)\.input_layernorm\.(weight|bias)$",
+     r"vision_embeddings.vision_encoder.transformer.resblocks.\2.ln_1.\3"),
+    (r"^(model\.)?vision_model\.model\.layers\.(\d+)\.post_attention_layernorm\.(weight|bias)$",
+     r"vision_embeddings.vision_encoder.transformer.resblocks.\2.ln_2.\3"),
 ]
 
 

@@ -115,7 +115,7 @@ class Llama4:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, args: ModelArgs):
         self.model, self.tokenizer, self.args = model, tokenizer, args
-        self.formatter = ChatFormat(tokenizer)
+        self.formatter = ChatFormat(tokenizer, vision_args=args.vision_args)
         self.device = next(model.parameters()).device
         self.load_seconds = 0.0
 
@@ -155,9 +155,15 @@ class Llama4:
         echo: bool = False,
         seed: Optional[int] = None,
         stop_tokens: Optional[Sequence[int]] = None,
+        images: Optional[Sequence[Sequence[torch.Tensor]]] = None,
     ) -> Iterator[list[GenerationResult]]:
         """Yield, for every step, one result per prompt. Rows advance at their own positions,
-        so a prompt's greedy output does not depend on the other prompts in the batch."""
+        so a prompt's greedy output does not depend on the other prompts in the batch.
+
+        ``images``: per prompt, the tiles [n, 3, H, W] of each image in it, in the order of their
+        ``<|patch|>`` runs (``ChatFormat.encode_dialog`` gives both); their patch embeddings take
+        the place of those tokens' embeddings.
+        """
         max_gen_len = self._check(prompt_tokens, temperature, top_p, top_k, max_gen_len)
         dev, bsz = self.device, len(prompt_tokens)
         lens = torch.tensor([len(p) for p in prompt_tokens], device=dev)
@@ -171,7 +177,8 @@ class Llama4:
             padded[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
 
         full = echo and logprobs
-        logits = self.model(padded, 0, last_index=None if full else lens - 1)
+        fused = self.image_inputs(padded, images)
+        logits = self.model(padded, 0, last_index=None if full else lens - 1, **fused)
         if echo:
             lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, padded[:, 1:, None])[..., 0] if full else None
             for j in range(int(lens.max())):
@@ -208,6 +215,27 @@ class Llama4:
             logits = self.model(nxt[:, None], write)
             pos = torch.where(done, pos, pos + 1)
 
+    def image_inputs(self, tokens: torch.Tensor, images) -> dict:
+        """``Transformer.forward``'s image_embeddings / image_mask for a batch of (padded) prompt tokens
+        [B, S] and, per prompt, its images' tiles; empty when no prompt has an image."""
+        patch = self.tokenizer.special_tokens["<|patch|>"]
+        mask = tokens == patch
+        tiles = [t for row in images or [] for t in row]
+        if images is not None and len(images) != tokens.shape[0]:
+            raise PromptError(f"images are given for {len(images)} prompts, but there are {tokens.shape[0]}")
+        if not tiles:  # text only: a <|patch|> token, if any, keeps its token embedding
+            return {}
+        if self.args.vision_args is None:
+            raise PromptError("this model has no vision tower, so it cannot read images")
+        per_tile = self.args.vision_args.patches_per_tile
+        for i, row in enumerate(images):
+            want = sum(t.shape[0] for t in row) * per_tile
+            if int(mask[i].sum()) != want:
+                raise PromptError(
+                    f"prompt {i} holds {int(mask[i].sum())} <|patch|> tokens but its images give {want} patch embeddings"
+                )
+        return dict(image_embeddings=self.model.encode_images(torch.cat(tiles)), image_mask=mask)
+
     def generate_tokens(self, prompt_tokens, **kwargs) -> list[list[int]]:
         """Non-streaming generate: the new tokens of each prompt (stop token included when reached)."""
         out: list[list[int]] = [[] for _ in prompt_tokens]
@@ -229,9 +257,20 @@ class Llama4:
         yield from self.generate(tokens, **kwargs)
 
     def chat_completion(self, dialogs: Sequence[Sequence[RawMessage]], **kwargs) -> Iterator[list[GenerationResult]]:
-        """Assistant replies to each dialog; decode the tokens with ``formatter.decode_assistant_message``."""
-        tokens = [self.formatter.encode_dialog_prompt(list(d)) for d in dialogs]
-        yield from self.generate(tokens, **kwargs)
+        """Assistant replies to each dialog; decode the tokens with ``formatter.decode_assistant_message``.
+
+        Messages may hold images (``RawMediaItem``) when the model has a vision tower."""
+        inputs = [self.formatter.encode_dialog(list(d)) for d in dialogs]
+        limit = self.args.max_seq_len
+        for i, inp in enumerate(inputs):
+            if inp.images and len(inp.tokens) >= limit:
+                n = sum(t.tiles.shape[0] for t in inp.images) * self.args.vision_args.patches_per_tile
+                raise PromptError(
+                    f"dialog {i} takes {len(inp.tokens)} tokens ({n} of them for its {len(inp.images)} image(s)), "
+                    f"which leaves no room under max_seq_len {limit}"
+                )
+        images = [[t.tiles for t in inp.images] for inp in inputs]
+        yield from self.generate([inp.tokens for inp in inputs], images=images, **kwargs)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: Optional[int], gen) -> torch.Tensor:

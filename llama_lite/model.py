@@ -20,6 +20,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .errors import ConfigError
+from .vision import encode_images, vision_modules
 
 
 def rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -293,6 +294,14 @@ class Transformer(nn.Module):
             self.norm = RMSNorm(args.dim, eps=args.norm_eps)
             self.output = ColumnParallelLinear(args.dim, args.vocab_size, bias=False, init_method=_keep)
         self.freqs_cis = rope_frequencies(args, args.max_seq_len * 2)
+        if args.vision_args is not None:
+            self.vision_embeddings, self.vision_projection = vision_modules(args.vision_args, args.dim)
+
+    def encode_images(self, tiles: torch.Tensor) -> torch.Tensor:
+        """Patch embeddings [N * P, D] of image tiles [N, 3, H, W] (preprocessed), for ``forward``'s ``image_embeddings``."""
+        if self.args.vision_args is None:
+            raise ConfigError("this model has no vision tower (its config has no vision_args / vision_config)")
+        return encode_images(self.vision_embeddings, self.vision_projection, tiles)
 
     def use_linear_layout(self) -> None:
         """Lay routed experts out for fast matmuls (see ``Experts.use_linear_layout``); call once weights are loaded."""
@@ -318,11 +327,15 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         start_pos: Union[int, torch.Tensor] = 0,
         last_index: Optional[torch.Tensor] = None,
+        image_embeddings: Optional[torch.Tensor] = None,
+        image_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits (float32) for tokens [B, S] written at positions start_pos (+ 0..S-1) of each row.
 
         ``start_pos`` is an int or a LongTensor [B] (rows at different positions). With
         ``last_index`` [B], only the logits at that index of each row are computed: [B, 1, V].
+        Early fusion: ``image_embeddings`` [n, D] (from ``encode_images``) replace, in order, the
+        embeddings of the n tokens where ``image_mask`` [B, S] is True (the ``<|patch|>`` tokens).
         """
         bsz, seqlen = tokens.shape
         device = tokens.device
@@ -341,6 +354,8 @@ class Transformer(nn.Module):
             self.freqs_cis = self.freqs_cis.to(device)
         freqs = self.freqs_cis[positions]
         h = self.tok_embeddings(tokens)
+        if image_embeddings is not None:
+            h = h.masked_scatter(image_mask.to(device).unsqueeze(-1), image_embeddings.to(h.dtype))
         for layer in self.layers:
             h = layer(h, positions, freqs, global_mask, local_mask)
         if last_index is not None:

@@ -38,6 +38,12 @@ PRESETS: dict[str, dict] = {
                   moe_args=dict(num_experts=8, top_k=1, auto_scale_F=False)),
 }
 
+# A small vision tower for any preset (random_checkpoint --vision): 56-pixel tiles of 4x4 patches,
+# 4 embeddings per tile after pixel shuffle. Sized so Hugging Face's config describes it too
+# (its intermediate_size is both the encoder's MLP width and the adapter's input).
+VISION_ARGS: dict = dict(image_size=56, patch_size=14, dim=32, n_layers=2, n_heads=2, mlp_ratio=4.0, output_dim=64,
+                         pixel_shuffle_ratio=0.5)
+
 
 def preset_args(preset: str, **overrides) -> ModelArgs:
     if preset not in PRESETS:
@@ -76,6 +82,34 @@ def _groups(args: ModelArgs, rand: Callable[..., torch.Tensor], norm: Callable[[
         sd[prefix + "w2.weight"] = rand(d, hidden, std=hidden**-0.5 / 2)
         yield sd
     yield {"norm.weight": norm(d), "output.weight": rand(args.vocab_size, d, std=d**-0.5 * 2)}
+    if args.vision_args is not None:  # last, so a vision tower leaves the text weights of a seed unchanged
+        yield _vision_group(args.vision_args, d, rand, norm)
+
+
+def _vision_group(v, text_dim: int, rand, norm) -> dict[str, torch.Tensor]:
+    c, p, out = v.dim, v.patch_size, v.output_dim
+    hidden, side = int(v.mlp_ratio * c), v.image_size // v.patch_size
+    e, sd = "vision_embeddings.vision_encoder.", {}
+    sd[e + "conv1._linear.weight"] = rand(c, 3 * p * p, std=(3 * p * p) ** -0.5)
+    sd[e + "class_embedding"] = rand(c, std=1.0)
+    sd[e + "positional_embedding_vlm"] = rand(side * side + 1, c, std=0.5)
+    for name in ("ln_pre", "ln_post"):
+        sd[e + name + ".weight"], sd[e + name + ".bias"] = norm(c), rand(c, std=0.1)
+    for i in range(v.n_layers):
+        b = f"{e}transformer.resblocks.{i}."
+        for w in ("wq", "wk", "wv", "wo"):
+            sd[b + f"attn.{w}.weight"] = rand(c, c, std=c**-0.5 / (2 if w == "wo" else 1))
+            sd[b + f"attn.{w}.bias"] = rand(c, std=0.1)
+        for name in ("ln_1", "ln_2"):
+            sd[b + name + ".weight"], sd[b + name + ".bias"] = norm(c), rand(c, std=0.1)
+        sd[b + "mlp.c_fc.weight"], sd[b + "mlp.c_fc.bias"] = rand(hidden, c, std=c**-0.5), rand(hidden, std=0.1)
+        sd[b + "mlp.c_proj.weight"], sd[b + "mlp.c_proj.bias"] = rand(c, hidden, std=hidden**-0.5 / 2), rand(c, std=0.1)
+    a = "vision_embeddings.vision_adapter.mlp."
+    shuffled = int(c / v.pixel_shuffle_ratio**2)
+    sd[a + "c_fc.weight"] = rand(out, shuffled, std=shuffled**-0.5 * 2)
+    sd[a + "c_proj.weight"] = rand(out, out, std=out**-0.5 * 2)
+    sd["vision_projection.weight"] = rand(text_dim, out, std=out**-0.5)
+    return sd
 
 
 def random_groups(args: ModelArgs, seed: int = 0):
@@ -155,7 +189,56 @@ def to_meta_keys(shard: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, t
     return out
 
 
+def hf_vision_config(v) -> dict:
+    return {
+        "model_type": "llama4_vision_model",
+        "hidden_size": v.dim,
+        "num_hidden_layers": v.n_layers,
+        "num_attention_heads": v.n_heads,
+        "num_channels": 3,
+        "intermediate_size": int(v.mlp_ratio * v.dim),
+        "image_size": v.image_size,
+        "patch_size": v.patch_size,
+        "pixel_shuffle_ratio": v.pixel_shuffle_ratio,
+        "projector_input_dim": v.output_dim,
+        "projector_output_dim": v.output_dim,
+        "vision_output_dim": v.output_dim,
+        "norm_eps": v.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": v.rope_theta},
+    }
+
+
 def hf_config(args: ModelArgs) -> dict:
+    """config.json: Llama4ForCausalLM, or Llama4ForConditionalGeneration when the model has a vision tower."""
+    text = hf_text_config(args)
+    if args.vision_args is None:
+        return text
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    return {
+        "architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text,
+        "vision_config": hf_vision_config(args.vision_args), "boi_token_index": 200080, "eoi_token_index": 200081,
+        "image_token_index": 200092, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }
+
+
+_HF_VISION_NAMES = [
+    (r"^vision_projection\.weight$", "multi_modal_projector.linear_1.weight"),
+    (r"^vision_embeddings\.vision_adapter\.mlp\.c_fc\.", "vision_model.vision_adapter.mlp.fc1."),
+    (r"^vision_embeddings\.vision_adapter\.mlp\.c_proj\.", "vision_model.vision_adapter.mlp.fc2."),
+    (r"^vision_embeddings\.vision_encoder\.conv1\._linear\.", "vision_model.patch_embedding.linear."),
+    (r"^vision_embeddings\.vision_encoder\.ln_(pre|post)\.", r"vision_model.layernorm_\1."),
+    (r"^vision_embeddings\.vision_encoder\.transformer\.resblocks\.(\d+)\.attn\.w([qkvo])\.",
+     r"vision_model.model.layers.\1.self_attn.\2_proj."),
+    (r"^vision_embeddings\.vision_encoder\.transformer\.resblocks\.(\d+)\.mlp\.c_fc\.", r"vision_model.model.layers.\1.mlp.fc1."),
+    (r"^vision_embeddings\.vision_encoder\.transformer\.resblocks\.(\d+)\.mlp\.c_proj\.", r"vision_model.model.layers.\1.mlp.fc2."),
+    (r"^vision_embeddings\.vision_encoder\.transformer\.resblocks\.(\d+)\.ln_1\.", r"vision_model.model.layers.\1.input_layernorm."),
+    (r"^vision_embeddings\.vision_encoder\.transformer\.resblocks\.(\d+)\.ln_2\.",
+     r"vision_model.model.layers.\1.post_attention_layernorm."),
+    (r"^vision_embeddings\.vision_encoder\.", "vision_model."),
+]
+
+
+def hf_text_config(args: ModelArgs) -> dict:
     moe_layers = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
     cfg = {
         "architectures": ["Llama4ForCausalLM"],
@@ -195,11 +278,14 @@ def hf_config(args: ModelArgs) -> dict:
     return cfg
 
 
-def to_hf_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hf_keys(sd: dict[str, torch.Tensor], multimodal: bool = False) -> dict[str, torch.Tensor]:
+    """Engine names -> Hugging Face's; ``multimodal``: Llama4ForConditionalGeneration's (text under language_model.)."""
     out: dict[str, torch.Tensor] = {}
     names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
     for name, t in sd.items():
-        if name == "tok_embeddings.weight":
+        if name.startswith("vision_"):
+            out[next(re.sub(p, r, name) for p, r in _HF_VISION_NAMES if re.search(p, name))] = t
+        elif name == "tok_embeddings.weight":
             out["model.embed_tokens.weight"] = t
         elif name == "output.weight":
             out["lm_head.weight"] = t
@@ -226,6 +312,9 @@ def to_hf_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 parts = rest.split(".")
                 parts[-2] = names[parts[-2]]
                 out[p + ".".join(parts)] = t
+    if multimodal:
+        out = {("language_model." + k if not k.startswith(("vision_model.", "multi_modal")) else k): v
+               for k, v in out.items()}
     return out
 
 
@@ -319,9 +408,10 @@ def _write_meta(out: Path, args: ModelArgs, seed: int, mp: int, progress: Callab
 def _write_safetensors(path: Path, args: ModelArgs, seed: int, progress: Callable[[int], None]) -> None:
     """One model.safetensors written one group at a time: the header (from shapes alone), then the bytes in order."""
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    multimodal = args.vision_args is not None
     end = 0
     for group in shape_groups(args):
-        for name, t in to_hf_keys(group).items():
+        for name, t in to_hf_keys(group, multimodal).items():
             size = t.numel() * t.element_size()
             header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [end, end + size]}
             end += size
@@ -331,7 +421,7 @@ def _write_safetensors(path: Path, args: ModelArgs, seed: int, progress: Callabl
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for group in random_groups(args, seed):
-            for name, t in to_hf_keys(group).items():
+            for name, t in to_hf_keys(group, multimodal).items():
                 f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
                 progress(t.numel() * t.element_size())
 

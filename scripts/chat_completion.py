@@ -3,16 +3,20 @@
     python -m scripts.chat_completion CKPT                      # the demo dialogs
     python -m scripts.chat_completion CKPT --prompt "Hi there"  # one user message
     python -m scripts.chat_completion CKPT --interactive        # multi-turn, streamed
+    python -m scripts.chat_completion CKPT --prompt "Describe it" --image a.png --image b.jpg
     torchrun --nproc-per-node 2 -m scripts.chat_completion CKPT --world_size 2 --interactive
 
-In the interactive session an empty line is ignored, `reset` starts a new conversation, and
-`exit` or end of input (Ctrl-D) ends it.
+In the interactive session an empty line is ignored, `/image PATH` attaches an image to the next
+message, `reset` starts a new conversation, and `exit` or end of input (Ctrl-D) ends it. With a
+checkpoint that has a vision tower the demo dialogs include one with two (generated) pictures.
 """
 
 from typing import Optional
 
-from llama_lite.chat_format import RawMessage
+from llama_lite.chat_format import RawMediaItem, RawMessage, RawTextItem, content_text
+from llama_lite.checkpoint import read_model_args
 from llama_lite.errors import PromptError
+from llama_lite.image_transform import load_image
 from scripts.common import (
     build_llama,
     check_flags,
@@ -51,6 +55,14 @@ DEMO_DIALOGS: list[list[RawMessage]] = [
 ]
 
 
+def image_dialog() -> list[RawMessage]:
+    """The demo's two-image dialog, as in Meta's chat_completion example (pictures drawn by scripts.demo_images)."""
+    from scripts.demo_images import demo_images
+
+    items = [RawMediaItem(data=img) for img in demo_images()]
+    return [RawMessage(role="user", content=[*items, RawTextItem(text="Write a haiku that brings both images together")])]
+
+
 def main(
     checkpoint_dir: str,
     world_size: Optional[int] = None,
@@ -61,6 +73,7 @@ def main(
     max_gen_len: Optional[int] = None,
     quantization_mode: str = "none",
     prompt: Optional[str] = None,
+    image: Optional[list[str]] = None,
     interactive: bool = False,
     seed: int = 1,
     tokenizer_path: Optional[str] = None,
@@ -81,6 +94,8 @@ def main(
         max_gen_len: Most tokens in one reply (default: until a stop token or max_seq_len).
         quantization_mode: How weights are held: none (unquantized, as --dtype), int4_mixed, fp8_mixed, w4a8 or nvfp4.
         prompt: One user message to answer instead of the demo dialogs (with --interactive, the first turn).
+        image: An image file shown to the model with --prompt (with --interactive, in the first turn); repeat
+            the flag for several images. Needs a checkpoint with a vision tower.
         interactive: Multi-turn chat reading one user message per line from stdin, streaming each reply
             and its speed; ends on end of input or a line `exit`.
         seed: Random seed for sampling (the same on every rank, so ranks agree on every token).
@@ -98,18 +113,42 @@ def main(
                 temperature=temperature, top_p=top_p, max_gen_len=max_gen_len, seed=seed)
     if prompt == "":
         raise FlagError("--prompt is empty; give the user message to answer")
+    images = image_flag(image)
+    if images and prompt is None and not interactive:
+        raise FlagError("--image goes with --prompt or --interactive; give the message to send with it")
+    if images and read_model_args(ckpt).vision_args is None:
+        raise FlagError(f"--image needs a checkpoint with a vision tower, and {ckpt} has none (text only)")
+    for path in images:
+        load_image(path)  # a file that is not an image fails here, before the model loads
     set_kernels(kernels)
     llama = build_llama(ckpt, mode, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                         world_size=world_size, seed=seed, dtype=parse_dtype(dtype),
                         tokenizer_path=None if tokenizer_path is None else path_flag("tokenizer_path", tokenizer_path))
     sampling = dict(temperature=temperature, top_p=top_p, max_gen_len=max_gen_len)
     if interactive:
-        chat_loop(llama, sampling, first=prompt)
+        chat_loop(llama, sampling, first=prompt, first_images=images)
     elif prompt is not None:
-        stream_text(llama, llama.chat_completion([[RawMessage(role="user", content=prompt)]], **sampling))
+        stream_text(llama, llama.chat_completion([[user_message(prompt, images)]], **sampling))
         print()
     else:
-        run_demo(llama, DEMO_DIALOGS, sampling)
+        run_demo(llama, DEMO_DIALOGS + ([image_dialog()] if llama.args.vision_args else []), sampling)
+
+
+def image_flag(value) -> list[str]:
+    """--image's paths: fire gives one value as a str (or a number), repeated flags as a list."""
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(v, bool) for v in values):
+        raise FlagError("--image needs a path")
+    return [str(path_flag("--image", v)) for v in values]
+
+
+def user_message(text: str, images: list) -> RawMessage:
+    """A user turn: the images first, then the text (as Meta's examples order them)."""
+    if not images:
+        return RawMessage(role="user", content=text)
+    return RawMessage(role="user", content=[*(RawMediaItem(data=i) for i in images), RawTextItem(text=text)])
 
 
 def run_demo(llama, dialogs: list[list[RawMessage]], sampling: dict) -> None:
@@ -119,7 +158,7 @@ def run_demo(llama, dialogs: list[list[RawMessage]], sampling: dict) -> None:
         batch = dialogs[lo : lo + size]
         for dialog, reply in zip(batch, reply_all(llama, batch, sampling)):
             for message in dialog:
-                print(f"{message.role.capitalize()}: {message.content}")
+                print(f"{message.role.capitalize()}: {content_text(message.content)}")
             print(f"> Assistant: {reply.content}")
             for call in reply.tool_calls:
                 print(f"> Tool call: {call.tool_name}({call.arguments})")
@@ -142,10 +181,11 @@ def reply_all(llama, dialogs: list[list[RawMessage]], sampling: dict) -> list[Ra
     return [llama.formatter.decode_assistant_message(t, reason) for t, reason in zip(tokens, reasons)]
 
 
-def chat_loop(llama, sampling: dict, first: Optional[str] = None) -> None:
+def chat_loop(llama, sampling: dict, first: Optional[str] = None, first_images: Optional[list] = None) -> None:
     """Multi-turn chat on stdin. Every rank runs it: rank 0 reads each line and broadcasts it."""
     dialog: list[RawMessage] = []
     pending = first
+    images = list(first_images or [])  # attached with /image, sent with the next message
     while True:
         line, pending = (pending, None) if pending is not None else (read_line("user> "), None)
         if line is None:  # end of input
@@ -157,10 +197,25 @@ def chat_loop(llama, sampling: dict, first: Optional[str] = None) -> None:
         if not text:
             continue
         if text == "reset":
-            dialog = []
+            dialog, images = [], []
             print("(new conversation)")
             continue
-        dialog.append(RawMessage(role="user", content=text))
+        if text == "/image" or text.startswith("/image "):
+            path = text[len("/image"):].strip()
+            try:
+                if not path:
+                    raise PromptError("/image needs a path: /image PATH")
+                if llama.args.vision_args is None:
+                    raise PromptError("this model has no vision tower, so it cannot read images")
+                load_image(path)
+            except PromptError as e:
+                print_error(str(e))
+                continue
+            images.append(path)
+            print(f"(image {path} attached to your next message)")
+            continue
+        dialog.append(user_message(text, images))
+        images = []
         print("assistant> ", end="", flush=True)
         try:
             tokens, reason, seconds = stream_text(llama, llama.chat_completion([dialog], **sampling))

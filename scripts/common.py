@@ -65,7 +65,7 @@ def run_cli(fn: Callable[..., Any]) -> None:
         sys.stdout = open(os.devnull, "w")
     status = 0
     try:
-        argv = quote_text_flags(fn, sys.argv[1:])
+        argv = quote_text_flags(fn, gather_list_flags(fn, sys.argv[1:]))
         check_flag_names(fn, argv)
         fire.Fire(fn, command=argv, name=_command_name(fn))
     except FlagError as e:
@@ -136,6 +136,33 @@ def quote_text_flags(fn: Callable[..., Any], argv: list[str]) -> list[str]:
             out.append(arg)
         i += 1
     return out
+
+
+def gather_list_flags(fn: Callable[..., Any], argv: list[str]) -> list[str]:
+    """Let flags of list[str] parameters repeat: `--image a.png --image b.png` reaches ``fn`` as
+    image=["a.png", "b.png"] (fire alone would keep only the last one). Values stay as typed."""
+    lists = {name for name, hint in get_type_hints(fn).items() if hint in (list[str], Optional[list[str]])}
+    values: dict[str, list[str]] = {}
+    out: list = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            out += argv[i:]
+            break
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        key = name.replace("-", "_")
+        if key in lists and (eq or i + 1 < len(argv)):
+            if not eq:
+                value = argv[i + 1]
+                i += 1
+            if key not in values:
+                out.append((key,))  # where the flag first appeared; replaced below
+            values.setdefault(key, []).append(value)
+        else:
+            out.append(arg)
+        i += 1
+    return [f"--{a[0]}={values[a[0]]!r}" if isinstance(a, tuple) else a for a in out]
 
 
 def _command_name(fn: Callable[..., Any]) -> str:

@@ -1,15 +1,17 @@
 """Write a random-weight Llama 4 checkpoint for tests, demos and benchmarks (no download needed).
 
-    python -m scripts.random_checkpoint OUT [--preset tiny|small|bench] [--mp 1] [--seed 0] [--format meta|hf] [--force]
+    python -m scripts.random_checkpoint OUT [--preset tiny|small|bench] [--mp 1] [--seed 0] [--format meta|hf]
+        [--vision] [--force]
 
 Presets: tiny (~54M parameters, every feature on, for tests), small (~130M, demos), bench (~4.6B,
 about 9 GB, benchmarks). Weights are generated and written one layer at a time, so memory stays
-far below the checkpoint's size.
+far below the checkpoint's size. --vision adds a small vision tower (56-pixel tiles), as in
+Llama4ForConditionalGeneration, so image chat runs without downloads.
 """
 
 from pathlib import Path
 
-from llama_lite.synthetic import PRESETS, checkpoint_bytes, preset_args, write_random_checkpoint
+from llama_lite.synthetic import PRESETS, VISION_ARGS, checkpoint_bytes, preset_args, write_random_checkpoint
 from scripts.common import FlagError, path_flag, run_cli
 
 
@@ -19,6 +21,7 @@ def main(
     mp: int = 1,
     seed: int = 0,
     format: str = "meta",  # noqa: A002 - the flag is --format
+    vision: bool = False,
     force: bool = False,
 ) -> None:
     """Write a random Llama 4 checkpoint folder: weights, params.json or config.json, and tokenizer.model.
@@ -29,6 +32,8 @@ def main(
         mp: Number of model-parallel shards (consolidated.NN.pth files) to write; Meta layout only.
         seed: Random seed of the weights; the same seed gives the same weights in every layout and MP size.
         format: meta (params.json + consolidated.NN.pth) or hf (config.json + model.safetensors).
+        vision: Add a vision tower (encoder, adapter, projection) for image chat: vision_args in params.json,
+            or a Llama4ForConditionalGeneration config.json.
         force: Replace out_dir if it exists.
     """
     out = path_flag("out_dir", out_dir)
@@ -48,10 +53,14 @@ def main(
         if not out.is_dir() or out.is_symlink():
             raise FlagError(f"{out} is not a folder; --force replaces only a checkpoint folder")
 
-    args = preset_args(preset)
+    if not isinstance(vision, bool):
+        raise FlagError(f"--vision takes no value, got {vision!r}")
+    overrides = {"vision_args": VISION_ARGS} if vision else {}
+    args = preset_args(preset, **overrides)
     total = checkpoint_bytes(args)
-    write_with_progress(out, total, preset=preset, mp=mp, seed=seed, fmt=format)
-    print(f"wrote {out}: {preset} preset, {format} layout, {mp} shard(s), {total / 1e9:.2f} GB of weights")
+    write_with_progress(out, total, preset=preset, mp=mp, seed=seed, fmt=format, overrides=overrides)
+    tower = ", with a vision tower" if vision else ""
+    print(f"wrote {out}: {preset} preset{tower}, {format} layout, {mp} shard(s), {total / 1e9:.2f} GB of weights")
 
 
 def write_with_progress(out: Path, total: int, **kwargs) -> None:

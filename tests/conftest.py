@@ -1,5 +1,6 @@
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,12 @@ for _p in (ROOT, ROOT / "tests"):
         sys.path.insert(0, str(_p))
 
 from helpers import make_checkpoint  # noqa: E402,F401  (re-exported for test modules)
+
+# torchvision from the package registry is a CUDA build whose C extension does not load with the CPU
+# torch; its import then fails registering meta kernels for the missing ops. The reference image
+# transforms (llama-models', transformers') are pure Python, so the registrations are made an empty
+# module before anything imports torchvision.
+sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

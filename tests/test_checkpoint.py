@@ -12,11 +12,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llama_lite.args import ModelArgs, MoEArgs
+from llama_lite.args import ModelArgs, MoEArgs, VisionArgs
 from llama_lite.checkpoint import Checkpoint, _meta_shard_index, read_model_args
 from llama_lite.model import Transformer
 from llama_lite.synthetic import (
+    VISION_ARGS,
     hf_config,
+    hf_vision_config,
     preset_args,
     random_state_dict,
     shard_state_dict,
@@ -124,10 +126,12 @@ def test_args_from_config_json_equal_params_json(tiny_ckpt, tiny_ckpt_hf):
 
 
 def test_meta_params_with_vision_and_runtime_keys_are_accepted(tmp_path, tiny_args):
-    params = {**tiny_args.to_params(), "vision_args": {"dim": 8}, "max_seq_len": 99, "max_batch_size": 7}
+    vision = VisionArgs(**VISION_ARGS)
+    params = {**tiny_args.to_params(), "vision_args": vision.to_params(), "max_seq_len": 99, "max_batch_size": 7}
     (tmp_path / "params.json").write_text(json.dumps(params))
     args = read_model_args(tmp_path, max_seq_len=32, max_batch_size=2)
     assert_same_model(args, tiny_args)
+    assert args.vision_args == vision
     assert (args.max_seq_len, args.max_batch_size) == (32, 2)  # the run's limits, not the file's
 
 
@@ -189,7 +193,7 @@ def test_hf_names_read_back_under_engine_names(tiny_ckpt_hf, tiny_args, tiny_sd)
     ids=["language_model.model", "model.language_model"],
 )
 def test_hf_multimodal_prefixes_are_accepted(tmp_path, tiny_ckpt_hf, tiny_args, tiny_sd, prefix, head):
-    """Llama4ForConditionalGeneration: the text model under a prefix, vision weights alongside (ignored)."""
+    """Llama4ForConditionalGeneration: the text model under a prefix, vision weights alongside."""
     tensors = {}
     for name, t in to_hf_keys(tiny_sd).items():
         tensors[head if name == "lm_head.weight" else prefix + name[len("model."):]] = t.contiguous()
@@ -197,12 +201,15 @@ def test_hf_multimodal_prefixes_are_accepted(tmp_path, tiny_ckpt_hf, tiny_args, 
     tensors["multi_modal_projector.linear_1.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
     save_file(tensors, str(tmp_path / "model-00001-of-00001.safetensors"))
     config = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
-              "text_config": hf_config(tiny_args), "vision_config": {"hidden_size": 4}}
+              "text_config": hf_config(tiny_args), "vision_config": hf_vision_config(VisionArgs(**VISION_ARGS))}
     (tmp_path / "config.json").write_text(json.dumps(config))
     shutil.copyfile(tiny_ckpt_hf / "tokenizer.model", tmp_path / "tokenizer.model")
     args = read_model_args(tmp_path)
     assert_same_model(args, tiny_args)
-    assert_same_tensors(Checkpoint(tmp_path, args), tiny_sd)
+    assert args.vision_args == VisionArgs(**VISION_ARGS)
+    vision = {"vision_embeddings.vision_encoder.conv1._linear.weight": torch.zeros(4, 4, dtype=torch.bfloat16),
+              "vision_projection.weight": torch.zeros(4, 4, dtype=torch.bfloat16)}
+    assert_same_tensors(Checkpoint(tmp_path, args), {**tiny_sd, **vision})
 
 
 # --- writing large checkpoints ------------------------------------------------------------------
