@@ -429,6 +429,9 @@ def run_llama_models(spec: dict) -> dict:
 
 
 def run_transformers(spec: dict) -> dict:
+    from scripts.common import allow_cpu_torchvision
+
+    allow_cpu_torchvision()
     from transformers import Llama4ForCausalLM
 
     mem = MemoryMonitor().start()

@@ -249,6 +249,19 @@ def path_flag(name: str, value: Any) -> Path:
     return Path(str(value)).expanduser()
 
 
+# --- peers -------------------------------------------------------------------------------
+def allow_cpu_torchvision() -> None:
+    """Let transformers import next to a torchvision whose C extension does not match this torch.
+
+    PyPI's torchvision is a CUDA build: with the CPU torch its import fails registering meta
+    kernels for its missing C ops, and transformers' model imports fail with it. Nothing here uses
+    those ops, so the registrations become an empty module before torchvision is first imported.
+    """
+    import types
+
+    sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+
+
 # --- the model --------------------------------------------------------------------------
 def build_llama(checkpoint_dir, quantization_mode: str = "none", **build_kwargs: Any) -> Llama4:
     """The model of ``checkpoint_dir`` in ``quantization_mode``; ``build_kwargs`` go to ``Llama4.build``.

