@@ -248,6 +248,12 @@ class Llama4:
             logits = self.model(nxt[:, None], write)
             pos = torch.where(done, pos, pos + 1)
 
+    def conversation(self, system: Optional[str] = None):
+        """A multi-turn chat on row 0 of the KV cache that prefills only each new message (see ``Conversation``)."""
+        from .conversation import Conversation  # it builds on this module
+
+        return Conversation(self, system)
+
     def generate_tokens(self, prompt_tokens, **kwargs) -> list[list[int]]:
         """Non-streaming generate: the new tokens of each prompt (stop token included when reached)."""
         out: list[list[int]] = [[] for _ in prompt_tokens]
