@@ -43,6 +43,14 @@ class Conversation:
                 head += fmt.encode_message(RawMessage(role="system", content=self.system))
         return head + fmt.encode_message(message) + fmt.encode_header("assistant")
 
+    def prompt_with(self, message: Union[str, RawMessage]) -> list[int]:
+        """Every token of the conversation with ``message`` added: what a fresh prefill would take."""
+        if isinstance(message, str):
+            message = RawMessage(role="user", content=message)
+        # A reply cut short (max_gen_len, max_seq_len or the caller) gets its turn closed as the chat format does.
+        closing = [self.llama.tokenizer.eot_id] if self._open else []
+        return self.tokens + closing + self._encode_turn(message)
+
     def send(self, message: Union[str, RawMessage], **sampling) -> Iterator[list[GenerationResult]]:
         """Add a user message (text or a RawMessage) and stream the reply; ``sampling`` as for ``generate``.
 
@@ -53,12 +61,7 @@ class Conversation:
         for key in ("start_pos", "echo"):
             if key in sampling:
                 raise PromptError(f"{key} cannot be set for a conversation turn")
-        if self._open:
-            # The last reply was cut short (max_gen_len, max_seq_len or the caller): close its turn
-            # as the chat format does.
-            self.tokens = self.tokens + [self.llama.tokenizer.eot_id]
-            self._open = False
-        full = self.tokens + self._encode_turn(message)
+        full = self.prompt_with(message)
         cached = self.cached if self._epoch == self.llama.cache_epoch else 0
         new = full[cached:]
         steps = self.llama.generate([new], start_pos=[cached], **sampling)

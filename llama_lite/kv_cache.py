@@ -85,7 +85,7 @@ class _Store:
             self.k[index], self.k_scale[index] = self._quantize(k)
             self.v[index], self.v_scale[index] = self._quantize(v)
         else:
-            self.k[index], self.v[index] = k, v
+            self.k[index], self.v[index] = k.to(self.k.dtype), v.to(self.v.dtype)
 
     def read(self, bsz: int, n: int, dtype: torch.dtype):
         """Keys and values of slots [0, n) of rows [0, bsz), [B, n, H, D] in ``dtype`` (views when not fp8)."""
