@@ -7,8 +7,8 @@ conversation with and without reusing its cache.
     python -m scripts.bench_context CKPT --quick      # seconds, on any checkpoint (a smoke test)
 
 The context is filled with random tokens in pieces of --fill_piece (so prefill attention stays
-small), then --decode_tokens single-token steps are timed (median of the per-step times). Timings
-on a shared machine are rough.
+small), growing from one context length to the next, and at each --decode_tokens single-token
+steps are timed (median of the per-step times). Timings on a shared machine are rough.
 """
 
 import json
@@ -50,9 +50,10 @@ def scout_kv_bytes() -> list[dict]:
     return rows
 
 
-def fill(model, n: int, piece: int, gen: torch.Generator) -> None:
-    """Write n random tokens into row 0 of the cache, piece by piece, computing only the last logits."""
-    for start in range(0, n, piece):
+def fill(model, begin: int, n: int, piece: int, gen: torch.Generator) -> None:
+    """Write random tokens at positions [begin, n) of row 0 of the cache, piece by piece, computing
+    only the last logits."""
+    for start in range(begin, n, piece):
         m = min(piece, n - start)
         tokens = torch.randint(0, 200000, (1, m), generator=gen)
         model(tokens, start, last_index=torch.tensor([m - 1]))
@@ -75,9 +76,12 @@ def context_rows(ckpt, contexts: list[int], steps: int, piece: int, dtype) -> li
         llama = build(ckpt, max_seq_len=max(contexts) + steps, max_batch_size=1, dtype=dtype,
                       kv_cache_dtype=kv, kv_cache_layout=layout)
         gen = torch.Generator().manual_seed(0)
-        for n in contexts:
+        filled_to = 0
+        for n in sorted(contexts):
+            # Grow the context from the last one (the decode steps timed there are overwritten).
             begin = time.perf_counter()
-            fill(llama.model, n, piece, gen)
+            fill(llama.model, filled_to, n, piece, gen)
+            filled_to = n
             filled = time.perf_counter() - begin
             rate = decode_speed(llama.model, n, steps)
             rows.append(dict(layout=layout, kv_dtype=kv, context=n, kv_bytes=llama.model.kv_cache_bytes(),

@@ -178,7 +178,9 @@ def chat_loop(llama, sampling: dict, first: Optional[str] = None) -> None:
             print_error(f"{e} (type 'reset' to start a new conversation)")
             continue
         print()
-        print(speed_line(len(tokens), seconds), flush=True)
+        # The prefill count shows the reuse: the new message, not the whole conversation.
+        print(f"{speed_line(len(tokens), seconds)} [{chat.last_prefill} tokens prefilled, {len(chat.tokens)} in the "
+              "conversation]", flush=True)
 
 
 if __name__ == "__main__":
