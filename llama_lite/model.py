@@ -348,7 +348,8 @@ class Transformer(nn.Module):
         ``start_pos`` is an int or a LongTensor [B] (rows at different positions); each row's cache
         must hold its positions before start_pos. With ``last_index`` [B], only the logits at that
         index of each row are computed: [B, 1, V]. ``lengths`` [B]: the real tokens of each row;
-        the rest pads it and is not stored in the cache (its logits are meaningless).
+        the rest pads it and is not stored in the cache (its logits are meaningless). Rows of
+        different lengths must say so: stored padding would overwrite a chunked layer's ring.
         """
         bsz, seqlen = tokens.shape
         device = tokens.device
