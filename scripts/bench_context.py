@@ -70,9 +70,9 @@ def decode_speed(model, context: int, steps: int) -> float:
     return 1.0 / statistics.median(times)
 
 
-def context_rows(ckpt, contexts: list[int], steps: int, piece: int, dtype) -> list[dict]:
+def context_rows(ckpt, contexts: list[int], steps: int, piece: int, dtype, variants=VARIANTS) -> list[dict]:
     rows = []
-    for layout, kv in VARIANTS:
+    for layout, kv in variants if contexts else ():
         llama = build(ckpt, max_seq_len=max(contexts) + steps, max_batch_size=1, dtype=dtype,
                       kv_cache_dtype=kv, kv_cache_layout=layout)
         gen = torch.Generator().manual_seed(0)
@@ -151,6 +151,7 @@ def main(
     dtype: str = "bf16",
     quick: bool = False,
     out: Optional[str] = None,
+    variants: str = "full:bf16,by_kind:bf16,by_kind:fp8",
 ) -> None:
     """Measure KV cache size and decode speed by context, and conversation reuse.
 
@@ -164,6 +165,7 @@ def main(
         dtype: bf16 or fp32 weights and activations.
         quick: Tiny sizes (contexts 64,200; a 100-token conversation of 3 turns), for a smoke test.
         out: Also write the figures as JSON to this file.
+        variants: Comma-separated layout:kv_dtype pairs to measure (layouts full, by_kind; bf16, fp8).
     """
     ckpt = path_flag("checkpoint_dir", checkpoint_dir)
     if dtype not in ("bf16", "fp32"):
@@ -173,14 +175,17 @@ def main(
         contexts, decode_tokens, fill_piece, conversation_len, turns = "64,200", 3, 64, 100, 3
     try:
         lengths = [int(c) for c in str(contexts).replace("(", "").replace(")", "").split(",") if str(c).strip()]
-    except ValueError:
-        raise FlagError(f"--contexts must be comma-separated integers, got {contexts!r}") from None
+        pairs = [tuple(v.split(":")) for v in str(variants).split(",") if v.strip()]
+        assert all(len(p) == 2 and p[0] in ("full", "by_kind") and p[1] in ("bf16", "fp8") for p in pairs)
+    except (ValueError, AssertionError):
+        raise FlagError(f"--contexts must be comma-separated integers and --variants layout:dtype pairs, got "
+                        f"{contexts!r} and {variants!r}") from None
     from llama_lite.distributed import init_distributed
 
     init_distributed(1, "cpu")
     result = dict(checkpoint=str(ckpt), scout=scout_kv_bytes(),
-                  contexts=context_rows(ckpt, lengths, decode_tokens, fill_piece, torch_dtype),
-                  conversation=conversation_rows(ckpt, conversation_len, turns, torch_dtype))
+                  contexts=context_rows(ckpt, lengths, decode_tokens, fill_piece, torch_dtype, pairs),
+                  conversation=conversation_rows(ckpt, conversation_len, turns, torch_dtype) if turns > 1 else [])
     print(report(result))
     if out:
         with open(out, "w") as f:
