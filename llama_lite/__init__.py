@@ -3,6 +3,7 @@
 from .args import ModelArgs, MoEArgs, VisionArgs
 from .chat_format import ChatFormat, RawMediaItem, RawMessage, RawTextItem, ToolCall
 from .checkpoint import Checkpoint
+from .conversation import Conversation
 from .errors import CheckpointError, ConfigError, LlamaLiteError, PromptError, TokenizerError
 from .generation import GenerationResult, Llama4
 from .model import Transformer
@@ -10,6 +11,6 @@ from .tokenizer import Tokenizer
 
 __all__ = [
     "ChatFormat", "Checkpoint", "CheckpointError", "ConfigError", "GenerationResult", "Llama4", "LlamaLiteError",
-    "ModelArgs", "MoEArgs", "PromptError", "RawMediaItem", "RawMessage", "RawTextItem", "Tokenizer", "TokenizerError",
-    "ToolCall", "Transformer", "VisionArgs",
+    "Conversation", "ModelArgs", "MoEArgs", "PromptError", "RawMediaItem", "RawMessage", "RawTextItem", "Tokenizer",
+    "TokenizerError", "ToolCall", "Transformer", "VisionArgs",
 ]

@@ -13,6 +13,8 @@ from .chat_format import ChatFormat, RawMessage
 from .checkpoint import Checkpoint, load_weights, read_model_args
 from .distributed import init_distributed
 from .errors import CheckpointError, ConfigError, PromptError
+from .kv_cache import parse_kv_cache_dtype
+from .memory import available_bytes, check_fits, processes_sharing, stored_bytes
 from .model import Transformer
 from .tokenizer import Tokenizer, default_tokenizer_path
 
@@ -58,11 +60,18 @@ class Llama4:
         dtype: torch.dtype = torch.bfloat16,
         tokenizer_path=None,
         compile: bool = False,
+        kv_cache_dtype=None,
+        kv_cache_layout: str = "by_kind",
     ) -> "Llama4":
         """Build the model on the meta device and hand it to ``convert`` (default: bf16 weights) to load.
 
         ``compile``: torch.compile each transformer block (see ``Transformer.compile_blocks``); the
         first calls at each new shape then take a while.
+        ``kv_cache_dtype``: "bf16", "fp32" or "fp8" (e4m3 with a scale per token and head: half of
+        bf16's memory); default the activations' ``dtype``. ``kv_cache_layout``: "by_kind" (chunked
+        layers keep one chunk, global layers max_seq_len) or "full" (max_seq_len on every layer).
+        Weights plus KV cache must fit in the device's free memory, or a ConfigError says which
+        max_seq_len would; ``kv_cache_bytes`` holds the KV cache's size.
         """
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -75,6 +84,11 @@ class Llama4:
         torch.manual_seed(seed)
 
         args = read_model_args(ckpt_dir, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+        kv_dtype = parse_kv_cache_dtype(kv_cache_dtype, dtype)
+        free, sharing = available_bytes(device), processes_sharing(device)
+        where = "GPU memory" if device.type == "cuda" else "RAM"
+        # The KV cache alone may already be too large: say so before spending time on the weights.
+        check_fits(args, None, free, kv_dtype, kv_cache_layout, world_size, sharing, where)
         ckpt_path = Path(ckpt_dir).expanduser()
         tokenizer = find_tokenizer(ckpt_path, tokenizer_path)
         if args.vocab_size == -1:
@@ -105,12 +119,14 @@ class Llama4:
             raise CheckpointError(f"the loader left {len(left)} parameter(s) without weights, e.g. {left[0]!r}")
         model.eval()
         model.use_linear_layout()
-        model.setup_caches(dtype, device)
+        kv_bytes = check_fits(args, stored_bytes(model), free, kv_dtype, kv_cache_layout, world_size, sharing, where)
+        model.setup_caches(kv_dtype, device, kv_cache_layout)
         if compile:
             model.compile_blocks()
         llama = Llama4(model, tokenizer, args)
         llama.load_seconds = time.perf_counter() - start
         llama.device, llama.rank, llama.world_size = device, rank, world_size
+        llama.kv_cache_bytes = kv_bytes
         return llama
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, args: ModelArgs):
@@ -118,19 +134,29 @@ class Llama4:
         self.formatter = ChatFormat(tokenizer, vision_args=args.vision_args)
         self.device = next(model.parameters()).device
         self.load_seconds = 0.0
+        self.kv_cache_bytes = 0
+        # Bumped by every generation that starts rows afresh, so a Conversation can tell that
+        # its row of the cache was overwritten since it last ran.
+        self.cache_epoch = 0
 
     # --- generation ---------------------------------------------------------------------
-    def _check(self, prompts, temperature, top_p, top_k, max_gen_len) -> int:
+    def _check(self, prompts, temperature, top_p, top_k, max_gen_len, start_pos=None) -> int:
         limit = self.args.max_seq_len
         if not prompts:
             raise PromptError("no prompts were given")
         if len(prompts) > self.args.max_batch_size:
             raise PromptError(f"{len(prompts)} prompts exceed max_batch_size {self.args.max_batch_size}")
+        if start_pos is not None and len(start_pos) != len(prompts):
+            raise PromptError(f"start_pos has {len(start_pos)} entries for {len(prompts)} prompts")
         for i, p in enumerate(prompts):
+            start = 0 if start_pos is None else start_pos[i]
+            if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+                raise PromptError(f"start_pos of prompt {i} must be an integer >= 0, got {start!r}")
             if len(p) == 0:
                 raise PromptError(f"prompt {i} is empty")
-            if len(p) >= limit:
-                raise PromptError(f"prompt {i} has {len(p)} tokens, which leaves no room under max_seq_len {limit}")
+            if start + len(p) >= limit:
+                cached = f" after {start} cached" if start else ""
+                raise PromptError(f"prompt {i} has {len(p)} tokens{cached}, which leaves no room under max_seq_len {limit}")
         if not isinstance(temperature, (int, float)) or temperature < 0:
             raise PromptError(f"temperature must be >= 0, got {temperature!r}")
         if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
@@ -156,6 +182,7 @@ class Llama4:
         seed: Optional[int] = None,
         stop_tokens: Optional[Sequence[int]] = None,
         images: Optional[Sequence[Sequence[torch.Tensor]]] = None,
+        start_pos: Optional[Sequence[int]] = None,
     ) -> Iterator[list[GenerationResult]]:
         """Yield, for every step, one result per prompt. Rows advance at their own positions,
         so a prompt's greedy output does not depend on the other prompts in the batch.
@@ -163,11 +190,22 @@ class Llama4:
         ``images``: per prompt, the tiles [n, 3, H, W] of each image in it, in the order of their
         ``<|patch|>`` runs (``ChatFormat.encode_dialog`` gives both); their patch embeddings take
         the place of those tokens' embeddings.
+
+        ``start_pos``: continue from the cache. Prompt i goes to row i of the KV cache at position
+        start_pos[i], after the first start_pos[i] tokens that row already holds (from an earlier
+        generation on that row: its prompt and all but the last generated token). Only the new
+        tokens are prefilled; the result equals generating from the whole sequence. Default: every
+        row starts afresh. ``Conversation`` keeps this bookkeeping for a chat.
         """
-        max_gen_len = self._check(prompt_tokens, temperature, top_p, top_k, max_gen_len)
+        if start_pos is not None and not isinstance(start_pos, (list, tuple)):
+            start_pos = list(start_pos) if hasattr(start_pos, "__iter__") else [start_pos] * len(prompt_tokens)
+        max_gen_len = self._check(prompt_tokens, temperature, top_p, top_k, max_gen_len, start_pos)
+        if start_pos is None:
+            self.cache_epoch += 1
         dev, bsz = self.device, len(prompt_tokens)
         lens = torch.tensor([len(p) for p in prompt_tokens], device=dev)
-        limit = torch.clamp(lens + max_gen_len, max=self.args.max_seq_len)
+        start = torch.tensor(list(start_pos or [0] * bsz), dtype=torch.long, device=dev)
+        limit = torch.clamp(start + lens + max_gen_len, max=self.args.max_seq_len)
         stops = torch.tensor(list(stop_tokens if stop_tokens is not None else self.tokenizer.stop_tokens), device=dev)
         gen = torch.Generator(device=dev)
         gen.manual_seed(torch.initial_seed() if seed is None else seed)
@@ -178,7 +216,8 @@ class Llama4:
 
         full = echo and logprobs
         fused = self.image_inputs(padded, images)
-        logits = self.model(padded, 0, last_index=None if full else lens - 1, **fused)
+        logits = self.model(padded, start, last_index=None if full else lens - 1,
+                            lengths=None if bool((lens == lens[0]).all()) else lens, **fused)
         if echo:
             lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, padded[:, 1:, None])[..., 0] if full else None
             for j in range(int(lens.max())):
@@ -192,7 +231,7 @@ class Llama4:
                 ]
             logits = logits[torch.arange(bsz, device=dev), lens - 1].unsqueeze(1)
 
-        pos = lens.clone()  # where each row's next token goes
+        pos = start + lens  # where each row's next token goes
         done = torch.zeros(bsz, dtype=torch.bool, device=dev)
         while True:
             next_logits = logits[:, -1]
@@ -235,6 +274,12 @@ class Llama4:
                     f"prompt {i} holds {int(mask[i].sum())} <|patch|> tokens but its images give {want} patch embeddings"
                 )
         return dict(image_embeddings=self.model.encode_images(torch.cat(tiles)), image_mask=mask)
+
+    def conversation(self, system: Optional[str] = None):
+        """A multi-turn chat on row 0 of the KV cache that prefills only each new message (see ``Conversation``)."""
+        from .conversation import Conversation  # it builds on this module
+
+        return Conversation(self, system)
 
     def generate_tokens(self, prompt_tokens, **kwargs) -> list[list[int]]:
         """Non-streaming generate: the new tokens of each prompt (stop token included when reached)."""

@@ -20,6 +20,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .errors import ConfigError
+from .kv_cache import Step, make_cache
 from .vision import encode_images, vision_modules
 
 
@@ -69,6 +70,21 @@ class RMSNorm(nn.Module):
 
 def rope_frequencies(args: ModelArgs, end: int) -> torch.Tensor:
     """complex64 [end, head_dim/2]: e^(i * pos * freq), with Llama 4's low/high frequency scaling."""
+    return rope_at(rope_inverse_frequencies(args), torch.arange(end))
+
+
+def rope_at(freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """complex64 [*positions.shape, head_dim/2] for the frequencies of ``rope_inverse_frequencies``.
+
+    Computed per call rather than looked up in a max_seq_len table, which at a long context would
+    take gigabytes (the values are the same: one fp32 product per entry either way).
+    """
+    angles = positions.to(torch.float32).unsqueeze(-1) * freqs.to(positions.device)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
+    """fp32 [head_dim/2]: the rotation per position of each pair, with Llama 4's low/high frequency scaling."""
     dim = args.head_dim
     # Always computed on the CPU in fp32, also while the model itself is built on the meta device.
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device="cpu")[: dim // 2].float() / dim))
@@ -82,8 +98,7 @@ def rope_frequencies(args: ModelArgs, end: int) -> torch.Tensor:
             freqs,
             torch.where(wavelen > old_context / low_factor, freqs / args.rope_scaling_factor, scaled),
         )
-    angles = torch.outer(torch.arange(end, dtype=torch.float32, device="cpu"), freqs)
-    return torch.polar(torch.ones_like(angles), angles)
+    return freqs
 
 
 def apply_rope(x_bshd: torch.Tensor, freqs_bsd: torch.Tensor) -> torch.Tensor:
@@ -118,15 +133,22 @@ class Attention(nn.Module):
         self.wk = ColumnParallelLinear(args.dim, args.n_kv_heads * hd, bias=False, gather_output=False, init_method=_keep)
         self.wv = ColumnParallelLinear(args.dim, args.n_kv_heads * hd, bias=False, gather_output=False, init_method=_keep)
         self.wo = RowParallelLinear(args.n_heads * hd, args.dim, bias=False, input_is_parallel=True, init_method=_keep)
-        self.cache_k: Optional[torch.Tensor] = None
-        self.cache_v: Optional[torch.Tensor] = None
+        self.chunk = args.attention_chunk_size if use_rope else None
+        self.cache = None  # a kv_cache.RingCache (chunked layers) or PrefixCache
 
-    def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, device) -> None:
-        shape = (max_batch_size, max_seq_len, self.n_local_kv_heads, self.head_dim)
-        self.cache_k = torch.zeros(shape, dtype=dtype, device=device)
-        self.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+    @property
+    def cache_k(self) -> Optional[torch.Tensor]:
+        return None if self.cache is None else self.cache.store.k
 
-    def forward(self, x_bsD, positions_bs, freqs_bsd, mask_b1sl) -> torch.Tensor:
+    @property
+    def cache_v(self) -> Optional[torch.Tensor]:
+        return None if self.cache is None else self.cache.store.v
+
+    def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, device, layout="by_kind") -> None:
+        self.cache = make_cache(layout, self.chunk, max_batch_size, max_seq_len, self.n_local_kv_heads,
+                                self.head_dim, dtype, device)
+
+    def forward(self, x_bsD, positions_bs, freqs_bsd, step: Step) -> torch.Tensor:
         bsz, seqlen, _ = x_bsD.shape
         q = self.wq(x_bsD).view(bsz, seqlen, self.n_local_heads, self.head_dim)
         k = self.wk(x_bsD).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
@@ -142,13 +164,9 @@ class Attention(nn.Module):
             q = (q * scale[:, :, None, None]).type_as(k)
 
         # Each row writes its own positions, so rows of different lengths share one cache.
-        rows = torch.arange(bsz, device=x_bsD.device).unsqueeze(1)
-        self.cache_k[rows, positions_bs] = k
-        self.cache_v[rows, positions_bs] = v
-        cache_len = mask_b1sl.shape[-1]
-        keys = self.cache_k[:bsz, :cache_len].transpose(1, 2)
-        values = self.cache_v[:bsz, :cache_len].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask_b1sl, enable_gqa=True)
+        keys, values, mask_b1sl = self.cache.update(k, v, step)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask_b1sl, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -262,9 +280,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x, positions, freqs, global_mask, local_mask):
-        mask = global_mask if self.is_nope_layer else local_mask
-        h = x + self.attention(self.attention_norm(x), positions, freqs, mask)
+    def forward(self, x, positions, freqs, step: Step):
+        h = x + self.attention(self.attention_norm(x), positions, freqs, step)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -293,7 +310,7 @@ class Transformer(nn.Module):
             self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
             self.norm = RMSNorm(args.dim, eps=args.norm_eps)
             self.output = ColumnParallelLinear(args.dim, args.vocab_size, bias=False, init_method=_keep)
-        self.freqs_cis = rope_frequencies(args, args.max_seq_len * 2)
+        self.rope_freqs = rope_inverse_frequencies(args)
         if args.vision_args is not None:
             self.vision_embeddings, self.vision_projection = vision_modules(args.vision_args, args.dim)
 
@@ -315,11 +332,17 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.compile(dynamic=True)
 
-    def setup_caches(self, dtype: Optional[torch.dtype] = None, device=None) -> None:
+    def setup_caches(self, dtype: Optional[torch.dtype] = None, device=None, layout: str = "by_kind") -> None:
+        """KV caches of every layer, stored in ``dtype`` (default: the weights'; ``torch.float8_e4m3fn``
+        stores fp8 with per-token-and-head scales). ``layout`` "by_kind": a ring of one chunk on
+        chunked layers, max_seq_len on global ones; "full": max_seq_len everywhere."""
         dtype = dtype or self.norm.weight.dtype
         device = device or self.norm.weight.device
         for layer in self.layers:
-            layer.attention.setup_cache(self.args.max_batch_size, self.args.max_seq_len, dtype, device)
+            layer.attention.setup_cache(self.args.max_batch_size, self.args.max_seq_len, dtype, device, layout)
+
+    def kv_cache_bytes(self) -> int:
+        return sum(layer.attention.cache.store.nbytes() for layer in self.layers if layer.attention.cache is not None)
 
     @torch.inference_mode()
     def forward(
@@ -327,13 +350,17 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         start_pos: Union[int, torch.Tensor] = 0,
         last_index: Optional[torch.Tensor] = None,
+        lengths: Optional[torch.Tensor] = None,
         image_embeddings: Optional[torch.Tensor] = None,
         image_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits (float32) for tokens [B, S] written at positions start_pos (+ 0..S-1) of each row.
 
-        ``start_pos`` is an int or a LongTensor [B] (rows at different positions). With
-        ``last_index`` [B], only the logits at that index of each row are computed: [B, 1, V].
+        ``start_pos`` is an int or a LongTensor [B] (rows at different positions); each row's cache
+        must hold its positions before start_pos. With ``last_index`` [B], only the logits at that
+        index of each row are computed: [B, 1, V]. ``lengths`` [B]: the real tokens of each row;
+        the rest pads it and is not stored in the cache (its logits are meaningless). Rows of
+        different lengths must say so: stored padding would overwrite a chunked layer's ring.
         Early fusion: ``image_embeddings`` [n, D] (from ``encode_images``) replace, in order, the
         embeddings of the n tokens where ``image_mask`` [B, S] is True (the ``<|patch|>`` tokens).
         """
@@ -347,17 +374,15 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"batch {bsz} x length {end} exceeds the cache ({self.args.max_batch_size} x {self.args.max_seq_len})"
             )
-        if self.layers[0].attention.cache_k is None:
+        if self.layers[0].attention.cache is None:
             self.setup_caches()
-        global_mask, local_mask = attention_masks(positions, end, self.args.attention_chunk_size)
-        if self.freqs_cis.device != device:
-            self.freqs_cis = self.freqs_cis.to(device)
-        freqs = self.freqs_cis[positions]
+        step = Step(positions, None if lengths is None else lengths.to(device))
+        freqs = rope_at(self.rope_freqs, positions)
         h = self.tok_embeddings(tokens)
         if image_embeddings is not None:
             h = h.masked_scatter(image_mask.to(device).unsqueeze(-1), image_embeddings.to(h.dtype))
         for layer in self.layers:
-            h = layer(h, positions, freqs, global_mask, local_mask)
+            h = layer(h, positions, freqs, step)
         if last_index is not None:
             h = h[torch.arange(bsz, device=device), last_index.to(device)].unsqueeze(1)
         return self.output(self.norm(h)).float()

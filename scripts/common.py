@@ -22,6 +22,9 @@ QUANTIZATION_MODES = ("none", "int4_mixed", "fp8_mixed", "w4a8", "nvfp4")
 # (bf16 rounds the model-parallel partial sums differently) and is faster on CPUs without bf16 units.
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
+# --kv_cache_dtype values (None: as --dtype); fp8 is e4m3 with one scale per token and KV head.
+KV_CACHE_DTYPES = ("bf16", "fp8", "fp32")
+
 # Exit status for errors the user can fix (flags, files, prompts), as for a usage error.
 USER_ERROR_STATUS = 2
 
@@ -195,6 +198,14 @@ def parse_dtype(dtype: Any) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_kv_cache_dtype(kv_cache_dtype: Any) -> Optional[str]:
+    if kv_cache_dtype is None:
+        return None
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise FlagError(f"unknown --kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    return kv_cache_dtype
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -271,8 +282,17 @@ def build_llama(checkpoint_dir, quantization_mode: str = "none", **build_kwargs:
     """
     import quantization
 
+    from llama_lite.memory import format_bytes
+
     mode = check_quantization_mode(quantization_mode)
-    return quantization.build(checkpoint_dir, mode, **build_kwargs)
+    llama = quantization.build(checkpoint_dir, mode, **build_kwargs)
+    if is_main():
+        kv_dtype = build_kwargs.get("kv_cache_dtype") or {v: k for k, v in DTYPES.items()}.get(
+            build_kwargs.get("dtype", torch.bfloat16), "bf16")
+        per_rank = " per rank" if llama.world_size > 1 else ""
+        print(f"KV cache: {format_bytes(llama.kv_cache_bytes)}{per_rank} ({kv_dtype}) for max_seq_len "
+              f"{llama.args.max_seq_len} x max_batch_size {llama.args.max_batch_size}", file=sys.stderr, flush=True)
+    return llama
 
 
 def set_kernels(backend: str) -> None:

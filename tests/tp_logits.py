@@ -34,8 +34,8 @@ def probe(llama: Llama4) -> dict:
     model = llama.model
     width = max(len(p) for p in PROMPTS)
     batch = torch.tensor([p + [llama.tokenizer.pad_id] * (width - len(p)) for p in PROMPTS])
-    prefill = model(batch, 0)
     pos = torch.tensor([len(p) for p in PROMPTS])
+    prefill = model(batch, 0, lengths=pos)  # padding is not stored: it would overwrite a chunked layer's ring
     decode = []
     for tokens in DECODE_TOKENS:
         decode.append(model(torch.tensor(tokens).view(2, 1), pos)[:, 0])
