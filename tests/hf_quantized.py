@@ -186,3 +186,87 @@ def transformers_logits(config_json: dict, sd: dict, tokens: torch.Tensor, dtype
     assert not missing and not unexpected, (missing[:3], unexpected[:3])
     with torch.no_grad():
         return model(input_ids=tokens, use_cache=False).logits.float()
+
+
+def fp8_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fbgemm's quantize_fp8_per_row on [..., N, K]: (e4m3 values, fp32 scale = row amax / 448)."""
+    wf = w.float()
+    scale = wf.abs().amax(-1, keepdim=True) / 448.0
+    q = (wf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fbgemm_layout(config_json: dict, modules_to_not_convert: list) -> dict:
+    """Name -> (shape, dtype) of every tensor transformers' fbgemm_fp8 integration gives
+    Llama4ForCausalLM (modules replaced by its own ``replace_with_fbgemm_fp8_linear``)."""
+    from unittest import mock
+
+    import transformers.integrations.fbgemm_fp8 as fb
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    cfg = Llama4TextConfig(**{k: v for k, v in config_json.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    with torch.device("meta"):
+        model = Llama4ForCausalLM(cfg)
+    # its per-row quantizer is a CUDA op of fbgemm-gpu and its empty init comes from accelerate;
+    # only the module layout is wanted here
+    with mock.patch.object(fb, "get_quantize_fp8_per_row", lambda: None), \
+            mock.patch.object(fb, "init_empty_weights", lambda include_buffers=True: torch.device("meta"), create=True):
+        fb.replace_with_fbgemm_fp8_linear(model, modules_to_not_convert=modules_to_not_convert, pre_quantized=True)
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def write_fbgemm_fp8(src: Path, out: Path, modules_to_not_convert: list, activation_scale_ub: float = 1200.0) -> Path:
+    """An fbgemm_fp8 folder of the bf16 export ``src``: every Linear and fused expert block that
+    transformers would convert, quantized per output channel as fbgemm's quantize_fp8_per_row does."""
+    from safetensors.torch import load_file, save_file
+
+    if out.exists():
+        return out
+    config = json.loads((src / "config.json").read_text())
+    layout = fbgemm_layout(config, modules_to_not_convert)
+    sd = load_file(str(src / "model.safetensors"))
+    tensors = {}
+    for name, t in sd.items():
+        if name.endswith("experts.gate_up_proj") and layout[name][1] == torch.float8_e4m3fn:
+            q, s = fp8_per_row(t.transpose(1, 2))  # one scale per output column: [E, 2F, D]
+            tensors[name], tensors[name + "_scale"] = q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()
+        elif name.endswith("experts.down_proj") and layout[name][1] == torch.float8_e4m3fn:
+            q, s = fp8_per_row(t.transpose(1, 2))  # [E, D, F]
+            tensors[name], tensors[name + "_scale"] = q.transpose(1, 2).contiguous(), s.contiguous()
+        elif name.endswith(".weight") and f"{name}_scale" in layout:
+            tensors[name], tensors[name + "_scale"] = fp8_per_row(t)
+        else:
+            tensors[name] = t
+    for name, t in tensors.items():  # transformers' names and shapes; its dtypes where quantized
+        quantized = layout[name][1] == torch.float8_e4m3fn or name.endswith("_scale")
+        assert layout[name][0] == tuple(t.shape) and (not quantized or layout[name][1] == t.dtype), (name, layout[name])
+    assert set(layout) == set(tensors), sorted(set(layout) ^ set(tensors))[:5]
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"))
+    config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": activation_scale_ub,
+                                     "modules_to_not_convert": modules_to_not_convert}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.copyfile(src / "tokenizer.model", tmp / "tokenizer.model")
+    tmp.rename(out)
+    return out
+
+
+def edited_copy(src, dst, edit=None, config=None):
+    """A copy of a folder with its tensors (and config) changed."""
+    from safetensors.torch import load_file, save_file
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir()
+    sd = load_file(str(src / "model.safetensors"))
+    if edit:
+        edit(sd)
+    save_file(sd, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    if config:
+        config(cfg["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    shutil.copyfile(src / "tokenizer.model", dst / "tokenizer.model")
+    return dst

@@ -9,7 +9,6 @@ by their activation quantization; they must still be nearer to it than to the bf
 """
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("transformers")
 
-from hf_quantized import decompressed_state_dict, fused, transformers_logits, write_compressed_tensors  # noqa: E402
+from hf_quantized import decompressed_state_dict, edited_copy, fused, transformers_logits, write_compressed_tensors  # noqa: E402
 from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, W4A8Weight, dequantize_weight  # noqa: E402
 from llama_lite.errors import CheckpointError, ConfigError  # noqa: E402
 from llama_lite.generation import Llama4  # noqa: E402
@@ -114,25 +113,6 @@ def test_mode_conflicts_and_the_core_loader(ct_folder, dist1):
     assert isinstance(llama.model.layers[0].feed_forward.experts.w1, W4A8Weight)
 
 
-def _edited_copy(src, dst, edit=None, config=None):
-    """A copy of a folder with its tensors (and config) changed."""
-    from safetensors.torch import load_file, save_file
-
-    if dst.exists():
-        shutil.rmtree(dst)
-    dst.mkdir()
-    sd = load_file(str(src / "model.safetensors"))
-    if edit:
-        edit(sd)
-    save_file(sd, str(dst / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    if config:
-        config(cfg["quantization_config"])
-    (dst / "config.json").write_text(json.dumps(cfg))
-    shutil.copyfile(src / "tokenizer.model", dst / "tokenizer.model")
-    return dst
-
-
 def _asym(q):
     q["config_groups"]["group_0"]["weights"]["symmetric"] = False
 
@@ -165,7 +145,7 @@ def bad_folder(ct_folder, ckpt_root):
     def make(case):
         scheme, edit, config, _ = BAD[case]
         dst = ckpt_root / f"ct-bad-{case}"
-        return dst if dst.exists() else _edited_copy(ct_folder(scheme), dst, edit, config)
+        return dst if dst.exists() else edited_copy(ct_folder(scheme), dst, edit, config)
 
     return make
 
