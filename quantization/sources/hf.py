@@ -191,7 +191,11 @@ class HFQuantizedSource:
         shape = self.shapes.get(name)
         if shape is None:
             return None
-        return (shape[0], shape[2], shape[1]) if len(shape) == 3 else shape
+        shape = list(shape)  # this rank's part: the whole weight is world size times larger along its split
+        axis = split_axis(name)
+        if axis is not None:
+            shape[axis] *= self.ckpt.world_size
+        return (shape[0], shape[2], shape[1]) if len(shape) == 3 else tuple(shape)
 
     def prequantized(self, name: str) -> "QuantizedWeight | torch.Tensor":
         """The whole weight of a planned module: its container if stored quantized, else bf16."""

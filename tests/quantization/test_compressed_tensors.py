@@ -164,3 +164,16 @@ def test_scripts_print_one_line_and_exit_2(case, bad_folder, run_script):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
     assert BAD[case][3] in lines[0], lines[0]
+
+
+def test_two_ranks_give_the_logits_of_one(ct_folder, tmp_path, dist1):
+    """Resharding: the folder is written whole; two ranks each take their slice of every weight."""
+    from helpers import worker_results
+
+    folder = ct_folder("NVFP4A16")
+    two = worker_results(tmp_path, folder, "none", 2)["none"]  # the worker's tokens, fp32
+    tokens = torch.randint(0, 200000, (2, 12), generator=torch.Generator().manual_seed(0))
+    one = build(folder, max_seq_len=64, max_batch_size=2, progress=False, dtype=torch.float32)
+    assert (two["logits"] - one.model(tokens, 0)).abs().max().item() <= 1e-3
+    assert two["greedy"] == one.generate_tokens([[200000, 10, 20, 30], [200000, 5]], temperature=0, max_gen_len=12,
+                                                stop_tokens=[])
