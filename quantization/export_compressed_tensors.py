@@ -8,11 +8,14 @@ with every Linear left in bf16 named in ``ignore``. Quantized weights keep their
 - fp8 rowwise -> ``float-quantized`` (FP8_DYNAMIC): ``weight`` e4m3, ``weight_scale`` [N, 1] fp32;
 - nvfp4 -> ``nvfp4-pack-quantized`` (NVFP4A16, or NVFP4 with a static input global scale).
 
-compressed-tensors' dequantization of each is the weight llama-lite computes with (its products
-of values and scales are exact in fp32). Its per-token fp8 activations have no scale bound; the
-fp8 rowwise format's bound (1200) only matters for rows whose largest activation exceeds it.
-w4a8 has no compressed-tensors form that its decompression reproduces (it has no per-channel
-scale), so it is refused.
+- w4a8 -> ``int-quantized`` (W4AFP8, as llm-compressor writes it): ``weight`` int8 values and the
+  bf16 group scales w4a8 is derived from, with dynamic per-token fp8 activations. compressed-tensors
+  has no per-channel scale, so the fp8 group and fp32 channel scales are derived on load, by
+  llama-lite (``w4a8_from_int4``) as by vLLM; pass the model's int4 weights (``w4a8=True``).
+
+compressed-tensors' dequantization of int4, fp8 and nvfp4 is the weight llama-lite computes with
+(its products of values and scales are exact in fp32). Its per-token fp8 activations have no scale
+bound; the fp8 format's bound (1200) only matters for rows whose largest activation exceeds it.
 """
 
 import json
@@ -22,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, QuantizedWeight, W4A8Weight, select_expert
+from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, QuantizedWeight, W4A8Weight, select_expert, unpack_int4
 from llama_lite.args import ModelArgs
 from llama_lite.errors import ConfigError
 from llama_lite.model import Experts, FeedForward, MoE, Transformer
@@ -34,6 +37,7 @@ _PROJ = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 _W4A16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "dynamic": False}
 _FP8_TOKEN = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True,
               "group_size": None}
+_W4AFP8 = ("int-quantized", lambda w: ({**_W4A16, "group_size": w.group_size}, _FP8_TOKEN))
 _SCHEMES = {
     Int4Weight: ("pack-quantized", lambda w: ({**_W4A16, "group_size": w.group_size}, None)),
     Fp8Weight: ("float-quantized", lambda w: (
@@ -48,8 +52,11 @@ _SCHEMES = {
 }
 
 
-def compressed_tensors(w: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """The stored tensors of one 2-D quantized weight, by compressed-tensors' parameter names."""
+def compressed_tensors(w: QuantizedWeight, w4a8: bool = False) -> dict[str, torch.Tensor]:
+    """The stored tensors of one 2-D quantized weight, by compressed-tensors' parameter names
+    (``w4a8``: int4 weights written as W4AFP8)."""
+    if isinstance(w, Int4Weight) and w4a8:
+        return {"weight": unpack_int4(w.qweight), "weight_scale": w.scales.contiguous()}
     if isinstance(w, Int4Weight):
         n, k2 = w.qweight.shape
         if k2 % 4:
@@ -68,10 +75,7 @@ def compressed_tensors(w: QuantizedWeight) -> dict[str, torch.Tensor]:
             out["input_global_scale"] = w.input_global_scale.float().reshape(1)
         return out
     if isinstance(w, W4A8Weight):
-        raise ConfigError(
-            "w4a8 cannot be written as compressed-tensors (its format has no per-channel scales); "
-            "write int4_mixed, whose int4 weights load as w4a8 with the same derived scales"
-        )
+        raise ConfigError("w4a8 is written from its int4 weights (the fp8 and channel scales are derived on load)")
     raise TypeError(f"not a quantized weight: {type(w).__name__}")
 
 
@@ -80,7 +84,7 @@ def _linear_weight(module: nn.Module):
     return w if not isinstance(w, nn.Parameter) else w.detach()
 
 
-def hf_tensors(model: Transformer):
+def hf_tensors(model: Transformer, w4a8: bool = False):
     """(stored tensors, quantized Linear names, bf16 Linear names) of a whole (world size 1) model."""
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
@@ -92,7 +96,7 @@ def hf_tensors(model: Transformer):
             plain.append(name)
         else:
             quantized[name] = w
-            tensors.update({f"{name}.{k}": v for k, v in compressed_tensors(w).items()})
+            tensors.update({f"{name}.{k}": v for k, v in compressed_tensors(w, w4a8).items()})
 
     tensors["model.embed_tokens.weight"] = model.tok_embeddings.weight.detach()
     tensors["model.norm.weight"] = model.norm.weight.detach()
@@ -125,7 +129,7 @@ def hf_tensors(model: Transformer):
     return tensors, quantized, plain
 
 
-def quantization_config(quantized: dict, plain: list) -> dict:
+def quantization_config(quantized: dict, plain: list, w4a8: bool = False) -> dict:
     """config.json's ``quantization_config``: one group for the one format the model uses."""
     kinds = {type(w) for w in quantized.values()}
     if not kinds:
@@ -134,7 +138,7 @@ def quantization_config(quantized: dict, plain: list) -> dict:
         raise ConfigError(f"the model mixes formats ({', '.join(sorted(k.__name__ for k in kinds))}); write one at a time")
     kind = kinds.pop()
     first = next(iter(quantized.values()))
-    fmt, args = _SCHEMES[kind]
+    fmt, args = _SCHEMES[kind] if not w4a8 else _W4AFP8
     weights, acts = args(first)
     for name, w in quantized.items():
         if args(w) != (weights, acts):
@@ -154,16 +158,17 @@ def quantization_config(quantized: dict, plain: list) -> dict:
 
 
 def write_compressed_tensors_folder(model: Transformer, args: ModelArgs, tokenizer_path: Path, out: Path,
-                                    max_shard_bytes: int = 4 << 30) -> None:
+                                    w4a8: bool = False, max_shard_bytes: int = 4 << 30) -> None:
     """Write ``model`` (whole, world size 1) to the folder ``out``: config.json with
-    ``quantization_config``, ``model-NNNNN-of-NNNNN.safetensors`` shards with their index, tokenizer."""
+    ``quantization_config``, ``model-NNNNN-of-NNNNN.safetensors`` shards with their index, tokenizer.
+    ``w4a8``: the model holds int4 weights, to be written as W4AFP8 (see the module's notes)."""
     from safetensors.torch import save_file
 
     from llama_lite.synthetic import hf_config
 
-    tensors, quantized, plain = hf_tensors(model)
+    tensors, quantized, plain = hf_tensors(model, w4a8)
     config = hf_config(args)
-    config["quantization_config"] = quantization_config(quantized, plain)
+    config["quantization_config"] = quantization_config(quantized, plain, w4a8)
     shards: list[dict] = [{}]
     size = 0
     for name, t in tensors.items():

@@ -30,7 +30,7 @@ from llama_lite.model import Transformer
 from quantization.checkpoint_io import FORMAT_VERSION, QUANT_CONFIG, flatten_weight, save_rank_file, weight_meta
 from quantization.convert import convert_to_quantized_model
 from quantization.export_compressed_tensors import write_compressed_tensors_folder
-from quantization.modes import QuantizationMode, parse_mode
+from quantization.modes import DEFAULT_TARGETS, QuantizationMode, parse_mode
 from quantization.modules import QuantizedExperts, QuantizedFeedForward, QuantizedLinear
 from scripts.common import run_cli
 
@@ -91,7 +91,8 @@ def quantize(
         fp8_activation_scale_ub: upper bound of fp8 per-token activation scales (stored for loading).
         force: replace an existing output folder.
         format: llama-lite (this package's format, one file per rank) or compressed-tensors (a Hugging
-            Face folder that transformers and vLLM load; int4_mixed, fp8_mixed or nvfp4; one rank).
+            Face folder that transformers and vLLM load; one rank; w4a8 is written as W4AFP8, the int4
+            weights and bf16 group scales its fp8 and channel scales are derived from on load).
     """
     mode = parse_mode(quantization_mode)
     if mode == QuantizationMode.none:
@@ -106,11 +107,6 @@ def quantize(
         raise ConfigError("output_dir must differ from ckpt_dir")
     if format not in OUTPUT_FORMATS:
         raise ConfigError(f"unknown --format {format!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
-    if format == "compressed-tensors" and mode == QuantizationMode.w4a8:
-        raise ConfigError(
-            "w4a8 cannot be written as compressed-tensors (its format has no per-channel scales); "
-            "write int4_mixed, whose int4 weights load as w4a8 with the same derived scales"
-        )
     rank, world = init_distributed(world_size, "cpu")
     if format == "compressed-tensors" and world > 1:
         raise ConfigError("compressed-tensors output is written by one rank; run with --world_size 1")
@@ -123,12 +119,16 @@ def quantize(
     checkpoint.device, checkpoint.dtype = torch.device("cpu"), torch.bfloat16
     with torch.device("meta"):
         model = Transformer(args).to_empty(device="meta")
+    # compressed-tensors holds w4a8 as the int4 weights and bf16 group scales it is derived from
+    derived = format == "compressed-tensors" and mode == QuantizationMode.w4a8
+    if derived and targets is None:
+        targets = ",".join(DEFAULT_TARGETS[mode])
     model = convert_to_quantized_model(
-        model, checkpoint, mode, targets=targets, group_size=group_size,
+        model, checkpoint, QuantizationMode.int4_mixed if derived else mode, targets=targets, group_size=group_size,
         fp8_activation_scale_ub=fp8_activation_scale_ub, prepare=False,
     )
     if format == "compressed-tensors":
-        _write_hf(model, args, tokenizer.model_path, out, mode)
+        _write_hf(model, args, tokenizer.model_path, out, mode, derived)
         return
     tensors, entries = collect_tensors(model)
 
@@ -174,11 +174,11 @@ def quantize(
         raise CheckpointError(error or "another rank failed to write its part; nothing was written")
 
 
-def _write_hf(model: Transformer, args, tokenizer_path, out: Path, mode: QuantizationMode) -> None:
+def _write_hf(model: Transformer, args, tokenizer_path, out: Path, mode: QuantizationMode, w4a8: bool) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        write_compressed_tensors_folder(model, args, Path(tokenizer_path), tmp)
+        write_compressed_tensors_folder(model, args, Path(tokenizer_path), tmp, w4a8=w4a8)
         _commit(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)

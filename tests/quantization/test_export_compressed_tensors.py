@@ -14,7 +14,8 @@ from llama_lite.errors import ConfigError  # noqa: E402
 from quantization import build  # noqa: E402
 from scripts.quantize import quantize  # noqa: E402
 
-MODES = {"int4_mixed": "pack-quantized", "fp8_mixed": "float-quantized", "nvfp4": "nvfp4-pack-quantized"}
+MODES = {"int4_mixed": "pack-quantized", "fp8_mixed": "float-quantized", "nvfp4": "nvfp4-pack-quantized",
+         "w4a8": "int-quantized"}
 TOKENS = torch.randint(0, 200000, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
@@ -60,10 +61,11 @@ def test_round_trip(mode, written, dist1):
     assert back.quantization_mode == mode
     assert torch.equal(back.model(TOKENS, 0), ours(TOKENS, 0))
     # compressed-tensors decompresses to its scales' dtype (bf16 for int4 and nvfp4, fp32 for fp8);
-    # llama-lite's fp32 products of values and scales, rounded once to that dtype, are its numbers
+    # llama-lite's fp32 products of values and scales, rounded once to that dtype, are its numbers.
+    # w4a8 is stored as the int4 weights its fp8 and channel scales are derived from.
     reference = decompressed_state_dict(ct)
-    weights = _linear_weights(ours)
-    assert len(weights) == {"int4_mixed": 48 + 12, "fp8_mixed": 24, "nvfp4": 48 + 12}[mode]
+    weights = _linear_weights(ours if mode != "w4a8" else build(written("int4_mixed")[1], "int4_mixed", **kw).model)
+    assert len(weights) == {"int4_mixed": 48 + 12, "fp8_mixed": 24, "nvfp4": 48 + 12, "w4a8": 48 + 12}[mode]
     for name, w in weights.items():
         theirs = reference[f"{name}.weight"]
         assert torch.equal(dequantize_weight(w).to(theirs.dtype), theirs), name
@@ -74,8 +76,6 @@ def test_round_trip(mode, written, dist1):
 
 
 def test_refused_outputs(tiny_ckpt_hf, tmp_path, dist1):
-    with pytest.raises(ConfigError, match="w4a8 cannot be written as compressed-tensors"):
-        quantize(str(tiny_ckpt_hf), str(tmp_path / "w"), "w4a8", world_size=1, format="compressed-tensors")
     with pytest.raises(ConfigError, match="unknown --format 'gguf'"):
         quantize(str(tiny_ckpt_hf), str(tmp_path / "g"), "int4_mixed", world_size=1, format="gguf")
-    assert not (tmp_path / "w").exists() and not (tmp_path / "g").exists()
+    assert not (tmp_path / "g").exists()
