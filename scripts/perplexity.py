@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from llama_lite.generation import find_tokenizer
 from scripts.common import (
     QUANTIZATION_MODES,
     FlagError,
@@ -147,15 +148,16 @@ def main(
     if base_dir is not None and is_prequantized(base_dir):
         raise FlagError(f"--base {base_dir} holds quantized weights; give a bf16 checkpoint")
 
+    # Every checkpoint of one table shares the tokenizer: the first folder's (or llama-models' copy).
+    tokenizer = find_tokenizer(base_dir or ckpts[0])
+    wins = windows(tokenizer.encode(content, bos=False, eos=False), ctx, tokenizer.bos_id, chunks)
     build = dict(max_seq_len=ctx, max_batch_size=1, world_size=world_size, dtype=torch_dtype)
     results = []
     with tempfile.TemporaryDirectory(prefix="llama-lite-ppl-") as tmp:
         store = Path(tmp)
-        wins = None
         base_res = None
         if base_dir is not None:
             llama = build_llama(base_dir, "none", **build)
-            wins = windows(llama.tokenizer.encode(content, bos=False, eos=False), ctx, llama.tokenizer.bos_id, chunks)
             base_res = score(llama, wins, store, None)
             del llama
             gc.collect()
@@ -164,8 +166,6 @@ def main(
                 results.append((c, "none", {**base_res, "kld_mean": 0.0, "kld_p99": 0.0, "top1": 1.0}))
                 continue
             llama = build_llama(c, mode, **build)
-            if wins is None:
-                wins = windows(llama.tokenizer.encode(content, bos=False, eos=False), ctx, llama.tokenizer.bos_id, chunks)
             res = score(llama, wins, store, store if base_dir is not None else None)
             results.append((c, getattr(llama, "quantization_mode", mode), res))
             del llama

@@ -260,10 +260,12 @@ def edited_copy(src, dst, edit=None, config=None):
     if dst.exists():
         shutil.rmtree(dst)
     dst.mkdir()
-    sd = load_file(str(src / "model.safetensors"))
     if edit:
+        sd = load_file(str(src / "model.safetensors"))
         edit(sd)
-    save_file(sd, str(dst / "model.safetensors"))
+        save_file(sd, str(dst / "model.safetensors"))
+    else:
+        (dst / "model.safetensors").symlink_to(src / "model.safetensors")
     cfg = json.loads((src / "config.json").read_text())
     if config:
         config(cfg["quantization_config"])

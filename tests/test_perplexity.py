@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from scripts.perplexity import score, windows
+from scripts.perplexity import main, score, windows
 
 TEXT = ("The quick brown fox jumps over the lazy dog while the model predicts every next token it can. " * 6)
 
@@ -33,14 +33,13 @@ def test_scores_match_torch(tiny_llama, tiny_llama_fp32, tmp_path):
     assert 0 < other["kld_mean"] and other["top1"] > 0.5  # bf16 vs fp32: close, not equal
 
 
-def test_table_and_flags(tiny_ckpt, tmp_path, run_script):
+def test_table_and_flags(tiny_ckpt, tmp_path, run_script, capsys, dist1):
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    result = run_script("scripts.perplexity", tiny_ckpt, "--text", text, "--ctx", 32, "--chunks", 2,
-                        "--quantization_mode", "none,fp8_mixed", timeout=240)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| tiny |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["none", "fp8_mixed"], result.stdout
+    main(str(tiny_ckpt), text=str(text), ctx=32, chunks=2, quantization_mode="none,fp8_mixed")
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["none", "fp8_mixed"], out
     none, fp8 = ([c.strip() for c in r.split("|")[3:7]] for r in rows)
     assert none[1:] == ["0.00000", "0.00000", "100.00%"]
     assert float(fp8[1]) > 0 and float(fp8[0]) > 1
