@@ -128,6 +128,26 @@ def test_regex_targets_and_several_groups(ct_folder, ckpt_root, dist1):
     assert torch.equal(a(tokens, 0), b(tokens, 0))
 
 
+def _multimodal(sd):
+    for k in list(sd):
+        sd["language_model." + k] = sd.pop(k)
+
+
+def test_multimodal_prefixes(ct_folder, ckpt_root, dist1):
+    """Llama4ForConditionalGeneration's folders name the text model language_model.*, ignore lists too."""
+    folder = ct_folder("NVFP4A16")
+    mm = edited_copy(folder, ckpt_root / "ct-multimodal", edit=_multimodal)
+    cfg = json.loads((mm / "config.json").read_text())
+    q = cfg.pop("quantization_config")
+    q["ignore"] = ["language_model." + n for n in q["ignore"]]
+    wrapped = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": cfg,
+               "quantization_config": q}
+    (mm / "config.json").write_text(json.dumps(wrapped))
+    kw = dict(max_seq_len=32, max_batch_size=1, progress=False, dtype=torch.float32)
+    tokens = TOKENS[:1, :12]
+    assert torch.equal(build(folder, **kw).model(tokens, 0), build(mm, **kw).model(tokens, 0))
+
+
 def _asym(q):
     q["config_groups"]["group_0"]["weights"]["symmetric"] = False
 
