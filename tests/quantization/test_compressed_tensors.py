@@ -161,12 +161,17 @@ def _static_acts(q):
     q["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
 
 
+def _gptq(q):
+    q["quant_method"] = "gptq"
+
+
 EXPERT = "model.layers.1.feed_forward.experts.2.up_proj"
 BAD = {
     # scheme, how the folder is spoiled, what the one line says
     "asymmetric_int4": ("W4A16", None, _asym, "asymmetric int4 weights"),
     "block_fp8": ("FP8_DYNAMIC", None, _block_fp8, "fp8 weights map onto llama-lite's fp8 rowwise format only"),
     "static_activations": ("FP8_DYNAMIC", None, _static_acts, "dynamic per-token fp8 activations only"),
+    "other_method": ("W4A16", None, _gptq, "quant_method 'gptq', which llama-lite cannot load"),
     "missing_scale": ("W4A16", lambda sd: sd.pop(f"{EXPERT}.weight_scale"), None, f"lacks {EXPERT}.weight_scale"),
     "wrong_scale_shape": ("NVFP4A16", lambda sd: sd.__setitem__(f"{EXPERT}.weight_scale", sd[f"{EXPERT}.weight_scale"][:, :4].contiguous()),
                           None, f"{EXPERT}.weight_scale (shape (256, 4)"),
