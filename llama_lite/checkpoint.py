@@ -354,6 +354,21 @@ class Checkpoint:
         return t
 
 
+def hf_quant_method(ckpt_dir) -> Optional[str]:
+    """The ``quant_method`` of a Hugging Face folder's config.json, or None for plain weights."""
+    path = Path(ckpt_dir) / "config.json"
+    if not path.is_file() or (Path(ckpt_dir) / "params.json").is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if q is None and isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
+        q = cfg["text_config"].get("quantization_config")
+    return str(q.get("quant_method", "unknown method")) if isinstance(q, dict) else None
+
+
 def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Replace parameter ``name`` (dotted path) of ``module`` by ``tensor``."""
     owner_name, _, attr = name.rpartition(".")
@@ -364,6 +379,12 @@ def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
 def load_weights(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16, device=None) -> nn.Module:
     """The default loader: every parameter lands once, in ``dtype`` on ``device``."""
     device = torch.device(device or "cpu")
+    method = hf_quant_method(checkpoint.dir)
+    if method is not None:
+        raise CheckpointError(
+            f"{checkpoint.dir} holds quantized weights ({method}); load it with the quantized loader "
+            "(quantization.build, or the scripts, which detect it)"
+        )
     # Layers beyond n_layers mean params.json describes a smaller model; other extra keys are ignored,
     # as the reference's non-strict load does.
     n_layers = checkpoint.args.n_layers

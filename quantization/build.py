@@ -15,7 +15,9 @@ def build(ckpt_dir, quantization_mode="none", *, targets=None, group_size: int =
     Mode ``none`` quantizes nothing: on a bf16 folder the weights are the checkpoint's bf16
     tensors, and on a CPU the linear layers run on the kernels' bf16 GEMV (see
     ``quantization.modules.KernelLinear``); on a pre-quantized folder it fails with a message
-    naming the mode the folder was written with.
+    naming the mode the folder was written with. A Hugging Face quantized folder (compressed-tensors,
+    fbgemm_fp8) runs in the mode its ``quantization_config`` maps to when ``none`` is given; another
+    mode is an error (except ``w4a8`` from int4 weights, derived from their group scales).
     """
     mode = parse_mode(quantization_mode)
     convert = partial(
@@ -24,5 +26,5 @@ def build(ckpt_dir, quantization_mode="none", *, targets=None, group_size: int =
         progress=progress,
     )
     llama = Llama4.build(ckpt_dir, convert=convert, **build_kwargs)
-    llama.quantization_mode = mode.value
+    llama.quantization_mode = getattr(llama.model, "quantization_mode", mode.value)
     return llama

@@ -2,9 +2,11 @@
 
 It walks the meta-device model one layer at a time, swaps the targeted modules for quantized
 ones and loads every weight, so the bf16 model is never materialised whole. Sources, in order:
+a Hugging Face quantized folder (compressed-tensors or fbgemm_fp8, see ``quantization.sources``),
 this package's pre-quantized format (quantization.json), llama-models' pre-quantized layout
 (int4_scales_N.pt / fp8_scales_N.pt beside consolidated.NN.pth), or bf16 weights quantized on
-the fly. Each weight is quantized whole and then sliced for this rank, so every world size sees
+the fly. A source also settles the mode (a quantized folder knows its own) and the modules to
+swap. Each weight is quantized whole and then sliced for this rank, so every world size sees
 the same numbers.
 """
 
@@ -33,6 +35,7 @@ from .formats import quantize_fp8_rowwise, quantize_int4, quantize_nvfp4, quanti
 from .modes import MODE_FORMAT, QuantizationMode, parse_mode, parse_targets
 from .modules import KernelExperts, KernelFeedForward, KernelLinear, QuantizedExperts, QuantizedFeedForward, QuantizedLinear
 from .sharding import merge_weights, slice_weight, tensor_fields
+from .sources import hf_quantization_config, open_hf_source
 
 log = logging.getLogger("llama_lite.quantization")
 
@@ -96,6 +99,10 @@ class _Source:
     @property
     def targets(self) -> Optional[tuple]:
         return self.ours.targets if self.ours is not None else None
+
+    def plan(self, model: Transformer, targets=None) -> list[tuple[str, str]]:
+        chosen = self.targets if self.targets is not None and targets is None else parse_targets(self.mode, targets)
+        return _plan(model, chosen, self.mode)
 
     def prequantized(self, name: str) -> Optional[QuantizedWeight]:
         if self.ours is not None:
@@ -230,18 +237,18 @@ def convert_to_quantized_model(
     mode = parse_mode(quantization_mode)
     device = torch.device(getattr(checkpoint, "device", None) or "cpu")
     dtype = getattr(checkpoint, "dtype", torch.bfloat16)
-    source = _Source(checkpoint, mode)
-    if mode == QuantizationMode.none:
-        plan = []
-    else:
-        chosen = source.targets if source.targets is not None and targets is None else parse_targets(mode, targets)
-        plan = _plan(model, chosen, mode)
+    hf_config = hf_quantization_config(checkpoint.dir)
+    source = _Source(checkpoint, mode) if hf_config is None else open_hf_source(checkpoint, mode, hf_config)
+    mode = source.mode  # a quantized folder runs in its own mode when none is asked for
+    plan = [] if mode == QuantizationMode.none else source.plan(model, targets)
     fmt = MODE_FORMAT.get(mode)
     quantize = partial(quantize_weight, fmt=fmt, group_size=group_size, fp8_activation_scale_ub=fp8_activation_scale_ub,
                        nvfp4_activation_amax=nvfp4_activation_amax)
     world, rank = checkpoint.world_size, checkpoint.rank
 
     def to_device(w: QuantizedWeight) -> QuantizedWeight:
+        if isinstance(w, torch.Tensor):  # a weight a quantized folder keeps in bf16 inside a quantized module
+            return w.to(device=device, dtype=dtype).contiguous()
         # Contiguous here, so the kernels use these very tensors: quantizing a transposed view
         # yields transposed strides, and a fast path would otherwise keep a second, contiguous copy.
         w = replace(w, **{k: v.to(device).contiguous() for k, v in tensor_fields(w).items()}, prepared={})

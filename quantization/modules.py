@@ -19,7 +19,7 @@ class QuantizedExperts(nn.Module):
     def __init__(self, w1: QuantizedWeight, w3: QuantizedWeight, w2: QuantizedWeight):
         super().__init__()
         self.w1, self.w3, self.w2 = w1, w3, w2
-        self.num_experts = w1.qweight.shape[0] if hasattr(w1, "qweight") else w1.weight.shape[0]
+        self.num_experts = kernels.formats.weight_shape(w1)[0]
 
     def forward(self, x_TD: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
         return kernels.grouped_swiglu(x_TD, offsets_E1, self.w1, self.w3, self.w2)

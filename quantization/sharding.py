@@ -34,9 +34,14 @@ def _axis(w: QuantizedWeight, name: str, split: str) -> Optional[int]:
 
 
 def slice_weight(w: QuantizedWeight, split: str, pieces: int, which: int) -> QuantizedWeight:
-    """This rank's part of a whole quantized weight."""
+    """This rank's part of a whole quantized weight (or of a bf16 one, [..., N, K])."""
     if pieces == 1:
         return w
+    if isinstance(w, torch.Tensor):
+        axis = -2 if split == "N" else -1
+        if w.shape[axis] % pieces:
+            raise CheckpointError(f"cannot split a weight of shape {tuple(w.shape)} {pieces} ways along {split}")
+        return w.chunk(pieces, dim=axis)[which].contiguous()
     parts = {}
     for name, t in tensor_fields(w).items():
         axis = _axis(w, name, split)

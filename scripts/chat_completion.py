@@ -96,6 +96,7 @@ def main(
         top_p: Nucleus sampling: sample from the most likely tokens whose probabilities add up to top_p, in (0, 1].
         max_gen_len: Most tokens in one reply (default: until a stop token or max_seq_len).
         quantization_mode: How weights are held: none (unquantized, as --dtype), int4_mixed, fp8_mixed, w4a8 or nvfp4.
+            A Hugging Face quantized folder (compressed-tensors, fbgemm_fp8) runs in its own mode when none is given.
         prompt: One user message to answer instead of the demo dialogs (with --interactive, the first turn).
         image: An image file shown to the model with --prompt (with --interactive, in the first turn); repeat
             the flag for several images. Needs a checkpoint with a vision tower.

@@ -51,6 +51,7 @@ def main(
         top_p: Nucleus sampling: sample from the most likely tokens whose probabilities add up to top_p, in (0, 1].
         max_gen_len: Most new tokens (default: until a stop token or max_seq_len).
         quantization_mode: How weights are held: none (unquantized, as --dtype), int4_mixed, fp8_mixed, w4a8 or nvfp4.
+            A Hugging Face quantized folder (compressed-tensors, fbgemm_fp8) runs in its own mode when none is given.
         seed: Random seed for sampling (the same on every rank, so ranks agree on every token).
         tokenizer_path: A tokenizer.model to use instead of the checkpoint folder's (or llama-models' copy).
         dtype: Number format of weights and activations, bf16 or fp32. fp32 takes twice the memory, gives

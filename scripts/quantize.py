@@ -6,6 +6,10 @@
 Each rank quantizes whole weights and keeps its slice, so the output loads at any world size.
 The output is written to a hidden temporary folder beside OUT and renamed into place only when
 every rank has finished: a run that dies leaves no folder that looks complete.
+
+``--format compressed-tensors`` writes a Hugging Face folder instead (config.json with
+``quantization_config``, safetensors, tokenizer) that transformers + compressed-tensors and vLLM
+load; see ``quantization.export_compressed_tensors``.
 """
 
 import json
@@ -25,9 +29,12 @@ from llama_lite.generation import find_tokenizer
 from llama_lite.model import Transformer
 from quantization.checkpoint_io import FORMAT_VERSION, QUANT_CONFIG, flatten_weight, save_rank_file, weight_meta
 from quantization.convert import convert_to_quantized_model
-from quantization.modes import QuantizationMode, parse_mode
+from quantization.export_compressed_tensors import write_compressed_tensors_folder
+from quantization.modes import DEFAULT_TARGETS, QuantizationMode, parse_mode
 from quantization.modules import QuantizedExperts, QuantizedFeedForward, QuantizedLinear
 from scripts.common import run_cli
+
+OUTPUT_FORMATS = ("llama-lite", "compressed-tensors")
 
 
 def collect_tensors(model: Transformer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -69,6 +76,7 @@ def quantize(
     group_size: int = 128,
     fp8_activation_scale_ub: float = 1200.0,
     force: bool = False,
+    format: str = "llama-lite",
 ) -> None:
     """Quantize CKPT_DIR (bf16 Meta/Hugging Face layout, or an int4 output for w4a8) into OUTPUT_DIR.
 
@@ -82,6 +90,9 @@ def quantize(
         group_size: int4 / w4a8 group size along the input dimension.
         fp8_activation_scale_ub: upper bound of fp8 per-token activation scales (stored for loading).
         force: replace an existing output folder.
+        format: llama-lite (this package's format, one file per rank) or compressed-tensors (a Hugging
+            Face folder that transformers and vLLM load; one rank; w4a8 is written as W4AFP8, the int4
+            weights and bf16 group scales its fp8 and channel scales are derived from on load).
     """
     mode = parse_mode(quantization_mode)
     if mode == QuantizationMode.none:
@@ -94,7 +105,11 @@ def quantize(
         raise ConfigError(f"{out} already exists; pass --force to replace it")
     if out == src.resolve():
         raise ConfigError("output_dir must differ from ckpt_dir")
+    if format not in OUTPUT_FORMATS:
+        raise ConfigError(f"unknown --format {format!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
     rank, world = init_distributed(world_size, "cpu")
+    if format == "compressed-tensors" and world > 1:
+        raise ConfigError("compressed-tensors output is written by one rank; run with --world_size 1")
 
     args = read_model_args(src)
     tokenizer = find_tokenizer(src)
@@ -104,10 +119,17 @@ def quantize(
     checkpoint.device, checkpoint.dtype = torch.device("cpu"), torch.bfloat16
     with torch.device("meta"):
         model = Transformer(args).to_empty(device="meta")
+    # compressed-tensors holds w4a8 as the int4 weights and bf16 group scales it is derived from
+    derived = format == "compressed-tensors" and mode == QuantizationMode.w4a8
+    if derived and targets is None:
+        targets = ",".join(DEFAULT_TARGETS[mode])
     model = convert_to_quantized_model(
-        model, checkpoint, mode, targets=targets, group_size=group_size,
+        model, checkpoint, QuantizationMode.int4_mixed if derived else mode, targets=targets, group_size=group_size,
         fp8_activation_scale_ub=fp8_activation_scale_ub, prepare=False,
     )
+    if format == "compressed-tensors":
+        _write_hf(model, args, tokenizer.model_path, out, mode, derived)
+        return
     tensors, entries = collect_tensors(model)
 
     # Rank 0 picks the temporary folder; everyone writes there.
@@ -150,6 +172,21 @@ def quantize(
         dist.barrier()
     if not ok:
         raise CheckpointError(error or "another rank failed to write its part; nothing was written")
+
+
+def _write_hf(model: Transformer, args, tokenizer_path, out: Path, mode: QuantizationMode, w4a8: bool) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write_compressed_tensors_folder(model, args, Path(tokenizer_path), tmp, w4a8=w4a8)
+        _commit(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write {out}: {e.strerror or e}; nothing was written") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"wrote {out} ({mode.value}, compressed-tensors)")
 
 
 def _targets_of(entries: dict) -> set[str]:
