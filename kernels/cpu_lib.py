@@ -169,7 +169,8 @@ def library(kind: str) -> Optional[ctypes.CDLL]:
             return None
         try:
             version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-            key = hashlib.sha256((src.read_text() + " ".join(_COMMON_FLAGS + flags) + version).encode()).hexdigest()[:16]
+            sources = src.read_text() + (_CSRC / "llk_common.h").read_text()  # a changed header rebuilds too
+            key = hashlib.sha256((sources + " ".join(_COMMON_FLAGS + flags) + version).encode()).hexdigest()[:16]
             path = _cache_dir() / f"{src.stem}-{key}.so"
             if not path.exists():
                 log.info("kernels: compiling %s -> %s", src.name, path)

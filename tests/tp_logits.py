@@ -36,6 +36,8 @@ def probe(llama: Llama4) -> dict:
     batch = torch.tensor([p + [llama.tokenizer.pad_id] * (width - len(p)) for p in PROMPTS])
     pos = torch.tensor([len(p) for p in PROMPTS])
     prefill = model(batch, 0, lengths=pos)  # padding is not stored: it would overwrite a chunked layer's ring
+    # logits at padding positions are meaningless (they see whatever the cache held before): not compared
+    prefill = prefill.masked_fill(torch.arange(width).view(1, -1, 1) >= pos.view(-1, 1, 1), 0.0)
     decode = []
     for tokens in DECODE_TOKENS:
         decode.append(model(torch.tensor(tokens).view(2, 1), pos)[:, 0])

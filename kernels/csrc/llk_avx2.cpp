@@ -28,54 +28,8 @@
 #include <cmath>
 #include <vector>
 
-enum WeightFormat { W_INT4 = 0, W_FP4 = 1, W_FP8 = 2 };
-enum ScaleFormat { S_NONE = 0, S_BF16 = 1, S_F32 = 2, S_E4M3 = 3 };
+#include "llk_common.h"
 
-// One expert-stacked weight: out[m, n] = sum_k x[m, k] * W_e[n, k] * groupscale[e, n, k / gs]
-// * alpha[e] * rowscale[e, n] (* tokscale[m]). The same layout as llk.cpp's.
-struct LlkWeight {
-    const uint8_t* w;       // [E, N, row_bytes]
-    int64_t w_estride;      // bytes between experts
-    int64_t w_ldn;          // bytes between rows
-    const void* s;          // group scales [E, N, K / gs] (S_NONE: unused)
-    int64_t s_estride;      // elements
-    int64_t s_ldn;          // elements
-    const float* rowscale;  // [E, N] or null
-    int64_t r_estride;      // elements
-    const float* alpha;     // [E] or null
-};
-
-struct LlkArgs {
-    int32_t wfmt, sfmt, gs, nthreads;
-    int64_t N, K, E;
-    const int64_t* row_start;  // [E]: rows [row_start[e], row_end[e]) of x go to expert e
-    const int64_t* row_end;    // [E]; an expert without rows costs nothing
-    const void* x;             // fp32 [rows, ldx] in gemv order
-    int64_t ldx;               // elements
-    const float* tokscale;     // [rows] or null
-    float* out;                // [rows, ldo] fp32
-    int64_t ldo;
-    LlkWeight w1;
-    LlkWeight w3;              // SwiGLU: w3.w != null and out = silu(x W1^T) * (x W3^T)
-};
-
-// ------------------------------------------------------------------------------------------
-// tables
-
-static float e4m3_value(int b) {
-    const int e = (b >> 3) & 0xF, m = b & 7;
-    float v;
-    if (e == 15 && m == 7) v = NAN;
-    else if (e == 0) v = std::ldexp((float)m, -9);
-    else v = std::ldexp(1.0f + m / 8.0f, e - 7);
-    return (b & 0x80) ? -v : v;
-}
-
-static uint16_t bf16_bits(float f) {  // exact for every value used in the tables
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)(u >> 16);
-}
 
 struct Tables {
     __m256i int4_lo, int4_hi;  // nibble -> low / high byte of bf16(int4 value), both 128-bit lanes
@@ -363,12 +317,6 @@ static void gemv_tile(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, int64
 static const int kGemvRows = 8;  // activation rows per register tile (one decode feeds them all)
 static const int kGemvTileN = 16;
 
-// Threads worth waking for `bytes` of weights: on a loaded machine a second thread may wait a
-// scheduler slice to run, so small jobs stay on the calling thread.
-static int threads_for(int64_t bytes, int nthreads) {
-    const int64_t per_thread = 1 << 20;
-    return (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, bytes / per_thread));
-}
 
 template <int WF, int SF>
 static void gemv_impl(const LlkArgs& a) {

@@ -1,0 +1,66 @@
+// Shared by llk.cpp (AVX-512 / AMX) and llk_avx2.cpp (AVX2): the C ABI's structures and formats,
+// and the scalar helpers both libraries build their tables with.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <cmath>
+
+enum WeightFormat { W_INT4 = 0, W_FP4 = 1, W_FP8 = 2 };
+enum ScaleFormat { S_NONE = 0, S_BF16 = 1, S_F32 = 2, S_E4M3 = 3 };
+
+// One expert-stacked weight: out[m, n] = sum_k x[m, k] * W_e[n, k] * groupscale[e, n, k / gs]
+// * alpha[e] * rowscale[e, n] (* tokscale[m]).
+struct LlkWeight {
+    const uint8_t* w;       // [E, N, row_bytes]
+    int64_t w_estride;      // bytes between experts
+    int64_t w_ldn;          // bytes between rows
+    const void* s;          // group scales [E, N, K / gs] (S_NONE: unused)
+    int64_t s_estride;      // elements
+    int64_t s_ldn;          // elements
+    const float* rowscale;  // [E, N] or null
+    int64_t r_estride;      // elements
+    const float* alpha;     // [E] or null
+};
+
+struct LlkArgs {
+    int32_t wfmt, sfmt, gs, nthreads;
+    int64_t N, K, E;
+    const int64_t* row_start;  // [E]: rows [row_start[e], row_end[e]) of x go to expert e
+    const int64_t* row_end;    // [E]; an expert without rows costs nothing
+    const void* x;             // activations in the order the kernel reads (see each library)
+    int64_t ldx;               // elements
+    const float* tokscale;     // [rows] or null
+    float* out;                // [rows, ldo] fp32
+    int64_t ldo;
+    LlkWeight w1;
+    LlkWeight w3;              // SwiGLU: w3.w != null and out = silu(x W1^T) * (x W3^T)
+};
+
+// ------------------------------------------------------------------------------------------
+// table helpers
+
+static inline float e4m3_value(int b) {
+    const int e = (b >> 3) & 0xF, m = b & 7;
+    float v;
+    if (e == 15 && m == 7) v = NAN;
+    else if (e == 0) v = std::ldexp((float)m, -9);
+    else v = std::ldexp(1.0f + m / 8.0f, e - 7);
+    return (b & 0x80) ? -v : v;
+}
+
+static inline uint16_t bf16_bits(float f) {  // exact for every value used in the tables
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+
+// Threads worth waking for `bytes` of weights: a fork/join costs little on an idle machine, but
+// on a loaded one the second thread may wait a whole scheduler slice (~10 ms) to run, so small
+// jobs stay on the calling thread.
+static inline int threads_for(int64_t bytes, int nthreads) {
+    const int64_t per_thread = 1 << 20;
+    return (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, bytes / per_thread));
+}
