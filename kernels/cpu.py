@@ -13,9 +13,10 @@ the default is the best this CPU has, and a cap above what the CPU has is refuse
 * ``avx2`` (AVX2 + FMA + F16C: most laptops, AMD Zen 1-3; ``llk_avx2.cpp``): a GEMV of the same
   numerics built from 256-bit shuffles and FMAs; more rows: its fp32 weight tiles and PyTorch's
   fp32 GEMM.
-* ``none`` (no compiler, ARM64, or asked for): PyTorch only. int4 through PyTorch's packed int4
-  kernel (``_weight_int4pack_mm_for_cpu``, run in fp32); fp8 / w4a8 / nvfp4 dequantized to fp32
-  one expert tile at a time (``TORCH_TILE_N`` rows, never a whole weight) for an fp32 GEMM.
+* ``none`` (no compiler, ARM64, or asked for): PyTorch only. int4 with few rows through PyTorch's
+  packed int4 kernel (``_weight_int4pack_mm_for_cpu``: its bf16 form where the result is rounded
+  to bf16 anyway, else its fp32 form); everything else dequantized to fp32 one expert tile at a
+  time (``TORCH_TILE_N`` rows, never a whole weight) for an fp32 GEMM.
 
 Why C at all: decode is bound by reading the weights once, and PyTorch has no CPU kernel that
 reads fp8 / w4a8 / nvfp4 weights at memory speed (``torch._scaled_mm`` on CPU takes ~400 ms for a
@@ -98,6 +99,9 @@ BF16_GEMV_MAX_ROWS = {"amx": 4, "avx512": 4, "avx2": 64}
 PREFILL_TILE_N = 512
 # Weight rows dequantized at a time by PyTorch on the ``none`` path.
 TORCH_TILE_N = 512
+# Rows up to which the ``none`` path uses PyTorch's packed int4 kernel (its fp32 form is slow with
+# many rows: 24 s vs 0.5 s for fp32 tiles at 512 rows of an 8192 x 5120 expert, AMD EPYC Zen 3).
+INT4PACK_MAX_ROWS = 16
 
 
 # ---- prepared forms
@@ -200,7 +204,9 @@ def _build_cpu_form(w: Weight, path: str) -> dict:
             u = (unpack_int4(wi.qweight).to(torch.int32) + 8).contiguous()
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
             sz = torch.stack((wi.scales.float().T, torch.zeros_like(wi.scales.T, dtype=torch.float32)), -1)
-            packs.append((packed, sz.contiguous()))
+            # bf16 scales are exact in the bf16 kernel's scale tensor too
+            sz16 = sz.to(torch.bfloat16).contiguous() if wi.scales.dtype == torch.bfloat16 else None
+            packs.append((packed, sz.contiguous(), sz16))
         form.update(int4pack=packs, gs=w.group_size)
     return form
 
@@ -230,7 +236,7 @@ def describe(w: Weight) -> str:
     if form["path"] == "torch":
         why = "" if path == "none" else " (no C kernel for this layout)"
         if "int4pack" in form:
-            return f"cpu/none{why}: PyTorch _weight_int4pack_mm_for_cpu in fp32"
+            return f"cpu/none{why}: PyTorch _weight_int4pack_mm_for_cpu up to {INT4PACK_MAX_ROWS} rows, fp32 tiles above"
         return f"cpu/none{why}: PyTorch, fp32 tiles of {TORCH_TILE_N} rows"
     rows = GEMV_MAX_ROWS[path][form["wfmt"]]
     big = "AMX fused dequant-GEMM" if path == "amx" else "fp32 weight tiles + PyTorch fp32 GEMM"
@@ -443,10 +449,14 @@ def _row_slice(w: Weight, n0: int, n1: int) -> Weight:
     return NVFP4Weight(w.qweight[n0:n1], w.scales[n0:n1], w.global_scale, w.input_global_scale)
 
 
-def _torch_rows(form: dict, x: torch.Tensor, w: Weight, e: int) -> torch.Tensor:
-    """fp32 [rows, N] of x times one expert's 2-D weight ``w``, PyTorch only."""
-    if "int4pack" in form:
-        packed, sz = form["int4pack"][e]
+def _torch_rows(form: dict, x: torch.Tensor, w: Weight, e: int, fp32_out: bool) -> torch.Tensor:
+    """fp32 [rows, N] of x times one expert's 2-D weight ``w``, PyTorch only. ``fp32_out``: the
+    caller uses the products unrounded (SwiGLU's W1 / W3), else it rounds them to x.dtype."""
+    if "int4pack" in form and x.shape[0] <= INT4PACK_MAX_ROWS:
+        packed, sz, sz16 = form["int4pack"][e]
+        if x.dtype == torch.bfloat16 and not fp32_out and sz16 is not None:
+            # its bf16 kernel: fp32 sums rounded once to bf16, as the caller rounds ours
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, form["gs"], sz16).float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.float().contiguous(), packed, form["gs"], sz)
     # the reference's activation quantization once, then fp32 weight tiles
     tok = None
@@ -473,8 +483,9 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(-1, k)
 
 
-def _grouped_fp32(x2: torch.Tensor, off: list[int], w: Weight) -> torch.Tensor:
-    """fp32 [T, N] of x2 [T, K] grouped by ``off`` (one group for a 2-D weight), any path."""
+def _grouped_fp32(x2: torch.Tensor, off: list[int], w: Weight, fp32_out: bool = False) -> torch.Tensor:
+    """fp32 [T, N] of x2 [T, K] grouped by ``off`` (one group for a 2-D weight), any path
+    (``fp32_out``: see ``_torch_rows``)."""
     if isinstance(w, torch.Tensor):
         w3 = w.unsqueeze(0) if w.dim() == 2 else w
         out = torch.zeros(x2.shape[0], w3.shape[1], dtype=torch.float32)
@@ -491,7 +502,8 @@ def _grouped_fp32(x2: torch.Tensor, off: list[int], w: Weight) -> torch.Tensor:
     e = weight_shape(w)[0]
     for i in range(form["e"]):
         if off[i + 1] > off[i]:
-            out[off[i] : off[i + 1]] = _torch_rows(form, x2[off[i] : off[i + 1]], w if e is None else select_expert(w, i), i)
+            we = w if e is None else select_expert(w, i)
+            out[off[i] : off[i + 1]] = _torch_rows(form, x2[off[i] : off[i + 1]], we, i, fp32_out)
     return out
 
 
@@ -577,7 +589,7 @@ def _swiglu_hidden(x2: torch.Tensor, off: list[int], w1: Weight, w3: Weight) -> 
     """h = silu(x W1.T) * (x W3.T) from fp32 products, in x.dtype."""
     if _fusable(w1, w3, x2):
         return _run(_form(w1), x2, off, _form(w3)).to(x2.dtype)
-    return (F.silu(_grouped_fp32(x2, off, w1)) * _grouped_fp32(x2, off, w3)).to(x2.dtype)
+    return (F.silu(_grouped_fp32(x2, off, w1, True)) * _grouped_fp32(x2, off, w3, True)).to(x2.dtype)
 
 
 def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1: Weight, w3: Weight, w2: Weight) -> torch.Tensor:

@@ -113,8 +113,8 @@ def weight_bytes(w) -> int:
 def int4pack_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """PyTorch's packed int4 CPU kernel (the baseline the brief names), via cpu's PyTorch-only form."""
     if "int4pack" not in w.prepared:  # bf16 scales and activations: PyTorch's fastest form of it
-        packed, sz = cpu._build_cpu_form(w, "none")["int4pack"][0]
-        w.prepared["int4pack"] = (packed, sz.to(torch.bfloat16))
+        packed, _, sz16 = cpu._build_cpu_form(w, "none")["int4pack"][0]
+        w.prepared["int4pack"] = (packed, sz16)
     packed, sz = w.prepared["int4pack"]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, w.group_size, sz)
