@@ -35,9 +35,10 @@ def helper():
 
 
 @pytest.fixture(scope="module")
-def reference(helper, tiny_llama_fp32, tiny_llama):
-    """The probe in this (single) process: fp32 and bf16."""
-    return {"fp32": helper.probe(tiny_llama_fp32), "bf16": helper.probe(tiny_llama)}
+def reference(helper, tiny_ckpt, dist1):
+    """The probe in this (single) process: fp32 and bf16, on models built here (fresh caches, as the
+    ranks' and the sharded builds have), not the session's shared ones."""
+    return {"fp32": helper.probe(helper.build(tiny_ckpt, "fp32")), "bf16": helper.probe(helper.build(tiny_ckpt, "bf16"))}
 
 
 @pytest.fixture(scope="module")
