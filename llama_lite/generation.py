@@ -59,14 +59,17 @@ class Llama4:
         convert: Optional[Loader] = None,
         dtype: torch.dtype = torch.bfloat16,
         tokenizer_path=None,
-        compile: bool = False,
+        compile: Optional[bool] = None,
         kv_cache_dtype=None,
         kv_cache_layout: str = "by_kind",
     ) -> "Llama4":
         """Build the model on the meta device and hand it to ``convert`` (default: bf16 weights) to load.
 
-        ``compile``: torch.compile each transformer block (see ``Transformer.compile_blocks``); the
-        first calls at each new shape then take a while.
+        ``compile``: compile the decode step (``Transformer.compile_decode``; CUDA graphs on a GPU)
+        and run it once now, at batch 1, so that the time it takes is part of loading
+        (``compile_seconds``); a larger batch compiles once more on first use. None (default): on,
+        unless the environment sets LLAMA_LITE_COMPILE=0; a model split over several ranks runs
+        eager (its all-reduces are not traced).
         ``kv_cache_dtype``: "bf16", "fp32" or "fp8" (e4m3 with a scale per token and head: half of
         bf16's memory); default the activations' ``dtype``. ``kv_cache_layout``: "by_kind" (chunked
         layers keep one chunk, global layers max_seq_len) or "full" (max_seq_len on every layer).
@@ -121,9 +124,19 @@ class Llama4:
         model.use_linear_layout()
         kv_bytes = check_fits(args, stored_bytes(model), free, kv_dtype, kv_cache_layout, world_size, sharing, where)
         model.setup_caches(kv_dtype, device, kv_cache_layout)
-        if compile:
-            model.compile_blocks()
         llama = Llama4(model, tokenizer, args)
+        if compile is None:
+            compile = os.environ.get("LLAMA_LITE_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+            compile = compile and world_size == 1
+        elif compile and world_size > 1:
+            raise ConfigError("compiled decode runs on one rank; with a world size above 1 build with compile=False")
+        if compile:
+            t0 = time.perf_counter()
+            model.compile_decode("reduce-overhead" if device.type == "cuda" else None)
+            # Compile now (batch 1): a decode step writes row 0, position 0 of the cache, which any
+            # generation overwrites before reading it.
+            model(torch.zeros(1, 1, dtype=torch.long, device=device), 0)
+            llama.compile_seconds = time.perf_counter() - t0
         llama.load_seconds = time.perf_counter() - start
         llama.device, llama.rank, llama.world_size = device, rank, world_size
         llama.kv_cache_bytes = kv_bytes
@@ -134,6 +147,7 @@ class Llama4:
         self.formatter = ChatFormat(tokenizer, vision_args=args.vision_args)
         self.device = next(model.parameters()).device
         self.load_seconds = 0.0
+        self.compile_seconds = None  # seconds that compiling the decode step took at load; None: eager
         self.kv_cache_bytes = 0
         # Bumped by every generation that starts rows afresh, so a Conversation can tell that
         # its row of the cache was overwritten since it last ran.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .args import ModelArgs
 from .errors import ConfigError
@@ -65,13 +66,24 @@ class _Store:
         self.fp8 = dtype == FP8
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        if self.fp8:
-            self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
-            self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+        # without fp8, empty stand-ins: ``decode_attention`` always takes four tensors
+        scale_shape = shape[:-1] if self.fp8 else (0,)
+        self.k_scale = torch.zeros(scale_shape, dtype=torch.float32, device=device)
+        self.v_scale = torch.zeros(scale_shape, dtype=torch.float32, device=device)
+
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> "_Store":
+        """A store over existing tensors (no copy)."""
+        store = cls.__new__(cls)
+        store.k, store.v, store.k_scale, store.v_scale = k, v, k_scale, v_scale
+        store.fp8 = k.dtype == FP8
+        return store
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.k, self.v, self.k_scale, self.v_scale
 
     def nbytes(self) -> int:
-        tensors = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.fp8 else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     @staticmethod
     def _quantize(x: torch.Tensor):
@@ -101,6 +113,50 @@ class _Store:
             codes, scale = self._quantize(x)
             return (codes.float() * scale.unsqueeze(-1)).to(x.dtype)
         return x.to(self.k.dtype).to(x.dtype)
+
+
+def decode_attention(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk: int, ring: bool):
+    """``decode_attention_op`` while torch.compile traces, its function directly otherwise."""
+    fn = decode_attention_op if torch.compiler.is_compiling() else decode_attention_eager
+    return fn(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk, ring)
+
+
+def decode_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                     k_scale: torch.Tensor, v_scale: torch.Tensor, positions: torch.Tensor, chunk: int,
+                     ring: bool) -> torch.Tensor:
+    """One decode step of one attention layer: q [B, 1, H, D], k / v [B, 1, Hkv, D] at ``positions`` [B].
+
+    Writes k / v into the cache (slot p % chunk of a ring, else slot p), then attends over the
+    filled part: a ring's slots up to the furthest row's, a prefix cache's positions up to the
+    furthest row's, masked per row (causal, and within the query's chunk when ``chunk`` > 0 on a
+    prefix cache). Returns [B, 1, H, D]. An operator of its own: on a CPU the attended length
+    depends on the positions, so a compiled decode step keeps fixed shapes around it.
+    """
+    store = _Store.of(cache_k, cache_v, k_scale, v_scale)
+    bsz, dev = q.shape[0], q.device
+    rows = torch.arange(bsz, device=dev).unsqueeze(1)
+    pos = positions.view(bsz, 1)
+    slot = pos % chunk if ring else pos
+    store.write((rows, slot), k, v)
+    # On a GPU every slot, masked: no host sync, so a CUDA graph can hold the step.
+    n = cache_k.shape[1] if q.is_cuda else int(slot.max()) + 1
+    key_pos = torch.arange(n, device=dev)
+    mask = key_pos <= slot
+    if chunk and not ring:
+        mask &= key_pos // chunk == pos // chunk
+    keys, values = store.read(bsz, n, q.dtype)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask.view(bsz, 1, 1, n), enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
+decode_attention_op = torch.library.custom_op(
+    "llama_lite::decode_attention", decode_attention_eager, mutates_args=("cache_k", "cache_v", "k_scale", "v_scale"))
+
+
+@decode_attention_op.register_fake
+def _(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk, ring):
+    return torch.empty_like(q)
 
 
 class PrefixCache:
@@ -133,6 +189,10 @@ class PrefixCache:
             step.masks[key] = mask.unsqueeze(1)
         return keys, values, step.masks[key]
 
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, 1, H, D] of one new token per row at ``positions`` [B] (see ``decode_attention``)."""
+        return decode_attention(q, k, v, *self.store.tensors(), positions, self.chunk or 0, False)
+
 
 class RingCache:
     """The last ``chunk`` positions per row, position p in slot p % chunk: all that a chunked layer
@@ -143,6 +203,10 @@ class RingCache:
     def __init__(self, batch: int, max_seq_len: int, heads: int, head_dim: int, dtype, device, chunk: int):
         self.chunk = chunk
         self.store = _Store(batch, min(chunk, max_seq_len), heads, head_dim, dtype, device)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, 1, H, D] of one new token per row at ``positions`` [B] (see ``decode_attention``)."""
+        return decode_attention(q, k, v, *self.store.tensors(), positions, self.chunk, True)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step):
         bsz, seqlen = k.shape[:2]

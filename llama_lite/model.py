@@ -45,17 +45,28 @@ def linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], w_NK.shape[0])
 
 
+def reduce_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Sum of the ranks' partial results (fairscale's all-reduce); the tensor itself on one rank,
+    without the ~50 us that fairscale's autograd function costs per call even then."""
+    return x if fs_init.get_model_parallel_world_size() == 1 else reduce_from_model_parallel_region(x)
+
+
+def gather_parallel(x: torch.Tensor) -> torch.Tensor:
+    """The ranks' column shards joined along the last dimension; the tensor itself on one rank."""
+    return x if fs_init.get_model_parallel_world_size() == 1 else gather_from_model_parallel_region(x)
+
+
 class ColumnParallelLinear(fs_layers.ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight)  # fairscale's copy_to_model_parallel_region is the identity in forward
-        return gather_from_model_parallel_region(out) if self.gather_output else out
+        return gather_parallel(out) if self.gather_output else out
 
 
 class RowParallelLinear(fs_layers.RowParallelLinear):
     """Always ``input_is_parallel=True`` here: the input arrives sharded from a column-parallel layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_model_parallel_region(linear(x, self.weight))
+        return reduce_parallel(linear(x, self.weight))
 
 
 class RMSNorm(nn.Module):
@@ -70,17 +81,19 @@ class RMSNorm(nn.Module):
 
 def rope_frequencies(args: ModelArgs, end: int) -> torch.Tensor:
     """complex64 [end, head_dim/2]: e^(i * pos * freq), with Llama 4's low/high frequency scaling."""
-    return rope_at(rope_inverse_frequencies(args), torch.arange(end))
+    cos, sin = rope_at(rope_inverse_frequencies(args), torch.arange(end))
+    return torch.complex(cos, sin)
 
 
-def rope_at(freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """complex64 [*positions.shape, head_dim/2] for the frequencies of ``rope_inverse_frequencies``.
+def rope_at(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), fp32 [*positions.shape, head_dim/2], of the angles pos * freq for the frequencies
+    of ``rope_inverse_frequencies``.
 
     Computed per call rather than looked up in a max_seq_len table, which at a long context would
     take gigabytes (the values are the same: one fp32 product per entry either way).
     """
     angles = positions.to(torch.float32).unsqueeze(-1) * freqs.to(positions.device)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.cos(angles), torch.sin(angles)
 
 
 def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -101,10 +114,14 @@ def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
     return freqs
 
 
-def apply_rope(x_bshd: torch.Tensor, freqs_bsd: torch.Tensor) -> torch.Tensor:
-    """Interleaved (complex-pair) rotary embedding, as Meta's reference."""
-    xc = torch.view_as_complex(x_bshd.float().reshape(*x_bshd.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * freqs_bsd.unsqueeze(2)).flatten(3).type_as(x_bshd)
+def apply_rope(x_bshd: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Interleaved (complex-pair) rotary embedding, as Meta's reference: each pair (a, b) of the
+    head dimension turns by its angle, (a cos - b sin, a sin + b cos), in fp32. Real arithmetic
+    (not complex tensors), which compiled code fuses."""
+    cos, sin = (t.unsqueeze(2) for t in rope)  # [B, S, 1, D/2]
+    pairs = x_bshd.float().reshape(*x_bshd.shape[:-1], -1, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(3).type_as(x_bshd)
 
 
 def attention_masks(positions_bs: torch.Tensor, cache_len: int, chunk: Optional[int]):
@@ -148,13 +165,15 @@ class Attention(nn.Module):
         self.cache = make_cache(layout, self.chunk, max_batch_size, max_seq_len, self.n_local_kv_heads,
                                 self.head_dim, dtype, device)
 
-    def forward(self, x_bsD, positions_bs, freqs_bsd, step: Step) -> torch.Tensor:
+    def forward(self, x_bsD, positions_bs, rope, step: Optional[Step]) -> torch.Tensor:
+        """``step`` None: decode, one token per row (``positions_bs`` [B, 1]), with fixed shapes
+        around the cache (``decode_attention``)."""
         bsz, seqlen, _ = x_bsD.shape
         q = self.wq(x_bsD).view(bsz, seqlen, self.n_local_heads, self.head_dim)
         k = self.wk(x_bsD).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         v = self.wv(x_bsD).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         if self.use_rope:
-            q, k = apply_rope(q, freqs_bsd), apply_rope(k, freqs_bsd)
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.use_qk_norm:
             q, k = rmsnorm(q, self.norm_eps), rmsnorm(k, self.norm_eps)
         if self.temperature_tuning:
@@ -163,6 +182,9 @@ class Attention(nn.Module):
             scale = torch.log(torch.floor((pos + 1.0) / self.floor_scale) + 1.0) * self.attn_scale + 1.0
             q = (q * scale[:, :, None, None]).type_as(k)
 
+        if step is None:
+            out = self.cache.decode(q, k, v, positions_bs[:, 0])
+            return self.wo(out.reshape(bsz, seqlen, -1))
         # Each row writes its own positions, so rows of different lengths share one cache.
         keys, values, mask_b1sl = self.cache.update(k, v, step)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
@@ -182,7 +204,32 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(F.silu(linear(x, self.w1.weight)) * linear(x, self.w3.weight), self.w2.weight)
-        return reduce_from_model_parallel_region(out) if self.do_reduce else out
+        return reduce_parallel(out) if self.do_reduce else out
+
+
+def routed_experts_eager(x_TD: torch.Tensor, offsets_E1: torch.Tensor, w1_EDF: torch.Tensor, w3_EDF: torch.Tensor,
+                         w2_EFD: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert e on rows offsets[e]:offsets[e+1] of x_TD (weights as Meta stores them)."""
+    out_TD = torch.empty_like(x_TD)
+    bounds = offsets_E1.tolist()
+    for e in range(w1_EDF.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        x = x_TD[lo:hi]
+        h = F.silu(linear(x, w1_EDF[e].mT)) * linear(x, w3_EDF[e].mT)
+        out_TD[lo:hi] = linear(h, w2_EFD[e].mT)
+    return out_TD
+
+
+# Reads the offsets on the host: CUDA graphs leave it out (inductor splits the graph around it).
+routed_experts = torch.library.custom_op("llama_lite::routed_experts", routed_experts_eager, mutates_args=(),
+                                         tags=(torch.Tag.cudagraph_unsafe,))
+
+
+@routed_experts.register_fake
+def _(x_TD, offsets_E1, w1_EDF, w3_EDF, w2_EFD):
+    return torch.empty_like(x_TD)
 
 
 class Experts(nn.Module):
@@ -204,19 +251,11 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, f, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, f))
 
-    @torch.compiler.disable  # a loop over the routing's (data-dependent) bounds: eager, also inside compiled blocks
     def forward(self, x_TD: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
         """x_TD: tokens sorted by expert; rows offsets[e]:offsets[e+1] go to expert e."""
-        out_TD = torch.empty_like(x_TD)
-        bounds = offsets_E1.tolist()
-        for e in range(self.num_experts):
-            lo, hi = bounds[e], bounds[e + 1]
-            if lo == hi:
-                continue
-            x = x_TD[lo:hi]
-            h = F.silu(linear(x, self.w1[e].mT)) * linear(x, self.w3[e].mT)
-            out_TD[lo:hi] = linear(h, self.w2[e].mT)
-        return out_TD
+        if torch.compiler.is_compiling():  # the loop's bounds are data: one opaque operator in a graph
+            return routed_experts(x_TD, offsets_E1, self.w1, self.w3, self.w2)
+        return routed_experts_eager(x_TD, offsets_E1, self.w1, self.w3, self.w2)
 
     @torch.no_grad()
     def use_linear_layout(self) -> None:
@@ -250,9 +289,10 @@ class MoE(nn.Module):
         scores_aK = torch.sigmoid(scores_aK)
         experts_T = experts_aK.flatten()
         order_T = torch.argsort(experts_T, stable=True)
-        counts_E = torch.bincount(experts_T, minlength=self.router_DE.shape[1])
-        offsets = torch.zeros(counts_E.numel() + 1, dtype=torch.long, device=x_aD.device)
-        offsets[1:] = torch.cumsum(counts_E, 0)
+        # counts per expert by a scatter (bincount's output size depends on the data)
+        counts_E = torch.zeros(self.router_DE.shape[1], dtype=torch.long, device=x_aD.device)
+        counts_E.scatter_add_(0, experts_T, torch.ones_like(experts_T))
+        offsets = torch.cat((counts_E.new_zeros(1), torch.cumsum(counts_E, 0)))
         return order_T // self.top_k, scores_aK.flatten()[order_T], offsets
 
     def forward(self, x_bsD: torch.Tensor) -> torch.Tensor:
@@ -265,7 +305,7 @@ class MoE(nn.Module):
             out_aD[token_T] += routed_TD
         else:
             out_aD.index_add_(0, token_T, routed_TD)
-        return reduce_from_model_parallel_region(out_aD).view(shape)
+        return reduce_parallel(out_aD).view(shape)
 
 
 class TransformerBlock(nn.Module):
@@ -280,8 +320,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x, positions, freqs, step: Step):
-        h = x + self.attention(self.attention_norm(x), positions, freqs, step)
+    def forward(self, x, positions, rope, step: Optional[Step]):
+        """``step`` None: a decode step (see ``Attention.forward``)."""
+        h = x + self.attention(self.attention_norm(x), positions, rope, step)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -311,6 +352,7 @@ class Transformer(nn.Module):
             self.norm = RMSNorm(args.dim, eps=args.norm_eps)
             self.output = ColumnParallelLinear(args.dim, args.vocab_size, bias=False, init_method=_keep)
         self.rope_freqs = rope_inverse_frequencies(args)
+        self._decode_compiled = None  # see compile_decode
         if args.vision_args is not None:
             self.vision_embeddings, self.vision_projection = vision_modules(args.vision_args, args.dim)
 
@@ -326,11 +368,29 @@ class Transformer(nn.Module):
             if isinstance(module, Experts):
                 module.use_linear_layout()
 
-    def compile_blocks(self) -> None:
-        """torch.compile each block: norms, RoPE and activations fuse, and Python overhead goes. RoPE
-        and NoPE layers get one graph each (shared by all such layers); the routed experts stay eager."""
+    def compile_decode(self, mode: Optional[str] = None) -> None:
+        """torch.compile the decode step (one token per row): one graph from the embeddings to the
+        logits, with the kernels and the KV cache's attention as opaque operators, so that norms,
+        RoPE, routing and residuals fuse and no Python runs between them. Prefill stays eager.
+        ``mode``: torch.compile's (None: inductor's default; "reduce-overhead": CUDA graphs).
+        Graphs are made on first use: one for batch 1 and one for any larger batch (the batch
+        dimension turns dynamic on the first change); positions are tensors, so never recompile."""
+        # emulate_precision_casts: fused code rounds to bf16 wherever eager code does, so compiled
+        # and eager decode give the same numbers (inductor otherwise keeps fused bf16 math in fp32)
+        self._decode_compiled = torch.compile(self._decode, fullgraph=True, mode=mode,
+                                              options={"emulate_precision_casts": True})
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if fs_init.get_model_parallel_world_size() == 1:  # fairscale's layer adds two no-op autograd functions
+            return F.embedding(tokens, self.tok_embeddings.weight)
+        return self.tok_embeddings(tokens)
+
+    def _decode(self, tokens_b1: torch.Tensor, positions_b1: torch.Tensor) -> torch.Tensor:
+        rope = rope_at(self.rope_freqs, positions_b1)
+        h = self._embed(tokens_b1)
         for layer in self.layers:
-            layer.compile(dynamic=True)
+            h = layer(h, positions_b1, rope, None)
+        return self.output(self.norm(h)).float()
 
     def setup_caches(self, dtype: Optional[torch.dtype] = None, device=None, layout: str = "by_kind") -> None:
         """KV caches of every layer, stored in ``dtype`` (default: the weights'; ``torch.float8_e4m3fn``
@@ -376,13 +436,15 @@ class Transformer(nn.Module):
             )
         if self.layers[0].attention.cache is None:
             self.setup_caches()
+        if seqlen == 1 and lengths is None and image_embeddings is None:  # decode: fixed shapes
+            return (self._decode_compiled or self._decode)(tokens, positions)
         step = Step(positions, None if lengths is None else lengths.to(device))
-        freqs = rope_at(self.rope_freqs, positions)
-        h = self.tok_embeddings(tokens)
+        rope = rope_at(self.rope_freqs, positions)
+        h = self._embed(tokens)
         if image_embeddings is not None:
             h = h.masked_scatter(image_mask.to(device).unsqueeze(-1), image_embeddings.to(h.dtype))
         for layer in self.layers:
-            h = layer(h, positions, freqs, step)
+            h = layer(h, positions, rope, step)
         if last_index is not None:
             h = h[torch.arange(bsz, device=device), last_index.to(device)].unsqueeze(1)
         return self.output(self.norm(h)).float()

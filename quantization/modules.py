@@ -5,11 +5,12 @@ their forward signatures match the modules they replace.
 """
 
 import torch
-from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_region, reduce_from_model_parallel_region
 from torch import nn
 
 import kernels
 import kernels.formats
+import kernels.ops
+from llama_lite.model import gather_parallel, reduce_parallel
 from kernels.formats import QuantizedWeight
 
 
@@ -37,7 +38,7 @@ class QuantizedFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = kernels.swiglu(x, self.w1, self.w3, self.w2)
-        return reduce_from_model_parallel_region(out) if self.do_reduce else out
+        return reduce_parallel(out) if self.do_reduce else out
 
     def extra_repr(self) -> str:
         return type(self.w1).__name__
@@ -53,8 +54,8 @@ class _ParallelKernelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = kernels.linear(x, self.weight)
         if self.parallel == "row":
-            return reduce_from_model_parallel_region(out)
-        return gather_from_model_parallel_region(out) if self.gather_output else out
+            return reduce_parallel(out)
+        return gather_parallel(out) if self.gather_output else out
 
 
 class QuantizedLinear(_ParallelKernelLinear):
@@ -97,7 +98,7 @@ class KernelFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = nn.functional.silu(kernels.linear(x, self.w1)) * kernels.linear(x, self.w3)
         out = kernels.linear(h, self.w2)
-        return reduce_from_model_parallel_region(out) if self.do_reduce else out
+        return reduce_parallel(out) if self.do_reduce else out
 
     def extra_repr(self) -> str:
         return f"{tuple(self.w1.shape)}, {self.w1.dtype}"
@@ -113,18 +114,9 @@ class KernelExperts(nn.Module):
         self.w1, self.w3, self.w2 = (nn.Parameter(w, requires_grad=False) for w in (w1, w3, w2))
         self.num_experts = w1.shape[0]
 
-    @torch.compiler.disable  # a loop over the routing's (data-dependent) bounds, as the core's Experts
     def forward(self, x_TD: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
-        out_TD = torch.empty_like(x_TD)
-        bounds = offsets_E1.tolist()
-        for e in range(self.num_experts):
-            lo, hi = bounds[e], bounds[e + 1]
-            if lo == hi:
-                continue
-            x = x_TD[lo:hi]
-            h = nn.functional.silu(kernels.linear(x, self.w1[e])) * kernels.linear(x, self.w3[e])
-            out_TD[lo:hi] = kernels.linear(h, self.w2[e])
-        return out_TD
+        # a loop over the routing's bounds, one opaque operator when compiled
+        return kernels.ops.bf16_experts(x_TD, offsets_E1, self.w1, self.w3, self.w2)
 
     def extra_repr(self) -> str:
         return f"bf16, experts={self.num_experts}"

@@ -100,7 +100,9 @@ def check_flag_names(fn: Callable[..., Any], argv: list[str]) -> None:
     """Refuse a misspelt flag before anything runs: fire would first run the whole command with its
     defaults and only then complain about the flag it could not use."""
     params = inspect.signature(fn).parameters
-    known = set(params) | {"help"} | {"no" + n for n, p in params.items() if isinstance(p.default, bool)}
+    # fire's --noNAME sets a boolean flag False (also one typed Optional[bool], default None = auto)
+    known = set(params) | {"help"} | {"no" + n for n, p in params.items()
+                                      if isinstance(p.default, bool) or "bool" in str(p.annotation)}
     for arg in argv:
         if arg == "--":  # fire's own flags follow
             return
@@ -292,6 +294,9 @@ def build_llama(checkpoint_dir, quantization_mode: str = "none", **build_kwargs:
         per_rank = " per rank" if llama.world_size > 1 else ""
         print(f"KV cache: {format_bytes(llama.kv_cache_bytes)}{per_rank} ({kv_dtype}) for max_seq_len "
               f"{llama.args.max_seq_len} x max_batch_size {llama.args.max_batch_size}", file=sys.stderr, flush=True)
+        if llama.compile_seconds is not None:
+            print(f"decode step compiled in {llama.compile_seconds:.1f} s (once per load; --nocompile runs eager)",
+                  file=sys.stderr, flush=True)
     return llama
 
 

@@ -36,6 +36,7 @@ def main(
     dtype: str = "bf16",
     kernels: str = "auto",
     kv_cache_dtype: Optional[str] = None,
+    compile: Optional[bool] = None,  # noqa: A002 - the flag is --compile
 ) -> None:
     """Print the model's continuation of a prompt, streamed as it is generated.
 
@@ -61,6 +62,9 @@ def main(
             triton (CUDA GPUs).
         kv_cache_dtype: Number format of the KV cache: bf16, fp32, or fp8 (e4m3 with a scale per token and
             head: about half of bf16's memory; logits moved by ~0.2 on a test model); default as --dtype.
+        compile: Compile the decode step (torch.compile; CUDA graphs on a GPU) at load, which takes a
+            while once (printed) and makes every later token faster; --nocompile runs eager. Default: on with
+            one process, unless the environment sets LLAMA_LITE_COMPILE=0.
     """
     ckpt = path_flag("checkpoint_dir", checkpoint_dir)
     prompt = text_flag("prompt", prompt)
@@ -74,7 +78,7 @@ def main(
     kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
     set_kernels(kernels)
     llama = build_llama(ckpt, mode, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                        world_size=world_size, seed=seed, dtype=parse_dtype(dtype), kv_cache_dtype=kv_cache_dtype,
+                        world_size=world_size, seed=seed, dtype=parse_dtype(dtype), kv_cache_dtype=kv_cache_dtype, compile=compile,
                         tokenizer_path=None if tokenizer_path is None else path_flag("tokenizer_path", tokenizer_path))
     stream_text(llama, llama.completion([prompt], temperature=temperature, top_p=top_p, max_gen_len=max_gen_len))
     print()

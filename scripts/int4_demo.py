@@ -76,6 +76,7 @@ def demo(
     top_p: float = 0.9,
     max_seq_len: int = 1024,
     device: Optional[str] = None,
+    compile: Optional[bool] = None,  # noqa: A002 - the flag is --compile
 ) -> None:
     """Load a checkpoint in INT4 on one device and stream one chat reply.
 
@@ -88,14 +89,19 @@ def demo(
         top_p: nucleus sampling threshold.
         max_seq_len: KV cache length.
         device: cpu or cuda (default: cuda if available).
+        compile: Compile the decode step (torch.compile; CUDA graphs on a GPU) at load, which takes a
+            while once (printed) and makes every later token faster; --nocompile runs eager. Default: on with
+            one process, unless the environment sets LLAMA_LITE_COMPILE=0.
     """
     ckpt = Path(checkpoint_dir).expanduser() if checkpoint_dir else prepare_synthetic(cache_dir())
     start = time.perf_counter()
-    llama = build(ckpt, "int4_mixed", max_seq_len=max_seq_len, max_batch_size=1, world_size=1, device=device)
+    llama = build(ckpt, "int4_mixed", max_seq_len=max_seq_len, max_batch_size=1, world_size=1, device=device,
+                  compile=compile)
     load_s = time.perf_counter() - start
     stored, bf16 = model_weight_bytes(llama.model)
     print(f"checkpoint: {ckpt}")
-    print(f"device: {llama.device}   load time: {load_s:.1f} s")
+    compiled = f" (of which {llama.compile_seconds:.1f} s compiling the decode step)" if llama.compile_seconds else ""
+    print(f"device: {llama.device}   load time: {load_s:.1f} s{compiled}")
     print(f"weights: {stored / 2**20:.0f} MiB in INT4 mode vs {bf16 / 2**20:.0f} MiB in bf16 ({bf16 / stored:.2f}x smaller)")
     print(f"\nuser> {prompt}\nassistant> ", end="", flush=True)
     tokens, t0 = [], time.perf_counter()
