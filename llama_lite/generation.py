@@ -2,6 +2,7 @@
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -67,9 +68,12 @@ class Llama4:
 
         ``compile``: compile the decode step (``Transformer.compile_decode``; CUDA graphs on a GPU)
         and run it once now, at batch 1, so that the time it takes is part of loading
-        (``compile_seconds``); a larger batch compiles once more on first use. None (default): on,
-        unless the environment sets LLAMA_LITE_COMPILE=0; a model split over several ranks runs
-        eager (its all-reduces are not traced).
+        (``compile_seconds``); a larger batch compiles once more on first use. One rank only.
+        None (default): as the environment's LLAMA_LITE_COMPILE (1 = on), else off: on a CPU the
+        compiled step measured no faster than eager (the time left outside the weight reads is in
+        the kernels' calls, which stay opaque operators) and compiling takes minutes on a large
+        model. Where it is on by that default and compiling fails, the model decodes eager, with a
+        warning.
         ``kv_cache_dtype``: "bf16", "fp32" or "fp8" (e4m3 with a scale per token and head: half of
         bf16's memory); default the activations' ``dtype``. ``kv_cache_layout``: "by_kind" (chunked
         layers keep one chunk, global layers max_seq_len) or "full" (max_seq_len on every layer).
@@ -125,18 +129,29 @@ class Llama4:
         kv_bytes = check_fits(args, stored_bytes(model), free, kv_dtype, kv_cache_layout, world_size, sharing, where)
         model.setup_caches(kv_dtype, device, kv_cache_layout)
         llama = Llama4(model, tokenizer, args)
-        if compile is None:
-            compile = os.environ.get("LLAMA_LITE_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+        auto = compile is None
+        if auto:
+            compile = os.environ.get("LLAMA_LITE_COMPILE", "0").strip().lower() in ("1", "true", "yes", "on")
             compile = compile and world_size == 1
         elif compile and world_size > 1:
             raise ConfigError("compiled decode runs on one rank; with a world size above 1 build with compile=False")
         if compile:
             t0 = time.perf_counter()
             model.compile_decode("reduce-overhead" if device.type == "cuda" else None)
-            # Compile now (batch 1): a decode step writes row 0, position 0 of the cache, which any
-            # generation overwrites before reading it.
-            model(torch.zeros(1, 1, dtype=torch.long, device=device), 0)
-            llama.compile_seconds = time.perf_counter() - t0
+            try:
+                # Compile now (batch 1): a decode step writes row 0, position 0 of the cache, which
+                # any generation overwrites before reading it.
+                # Inference tensors, as generate's: another kind of tensor would make another graph.
+                with torch.inference_mode():
+                    model(torch.zeros(1, 1, dtype=torch.long, device=device), 0)
+            except Exception as err:  # noqa: BLE001 -- a toolchain problem must not cost the user the model
+                if not auto:
+                    raise
+                model._decode_compiled = None
+                warnings.warn(f"compiling the decode step failed ({type(err).__name__}: {str(err)[:200]}); "
+                              "decoding eager (compile=False or LLAMA_LITE_COMPILE=0 skips the attempt)")
+            else:
+                llama.compile_seconds = time.perf_counter() - t0
         llama.load_seconds = time.perf_counter() - start
         llama.device, llama.rank, llama.world_size = device, rank, world_size
         llama.kv_cache_bytes = kv_bytes

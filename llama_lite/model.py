@@ -437,6 +437,9 @@ class Transformer(nn.Module):
         if self.layers[0].attention.cache is None:
             self.setup_caches()
         if seqlen == 1 and lengths is None and image_embeddings is None:  # decode: fixed shapes
+            if self._decode_compiled is not None and bsz > 1:  # one graph for every batch above 1
+                torch._dynamo.maybe_mark_dynamic(tokens, 0)
+                torch._dynamo.maybe_mark_dynamic(positions, 0)
             return (self._decode_compiled or self._decode)(tokens, positions)
         step = Step(positions, None if lengths is None else lengths.to(device))
         rope = rope_at(self.rope_freqs, positions)

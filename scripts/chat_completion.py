@@ -112,9 +112,9 @@ def main(
             triton (CUDA GPUs).
         kv_cache_dtype: Number format of the KV cache: bf16, fp32, or fp8 (e4m3 with a scale per token and
             head: about half of bf16's memory; logits moved by ~0.2 on a test model); default as --dtype.
-        compile: Compile the decode step (torch.compile; CUDA graphs on a GPU) at load, which takes a
-            while once (printed) and makes every later token faster; --nocompile runs eager. Default: on with
-            one process, unless the environment sets LLAMA_LITE_COMPILE=0.
+        compile: Compile the decode step (torch.compile; CUDA graphs on a GPU) at load, which takes from
+            a minute to several once (printed); one process only. Default: off (on a CPU it measured no
+            faster than eager), or as the environment's LLAMA_LITE_COMPILE=1.
     """
     ckpt = path_flag("checkpoint_dir", checkpoint_dir)
     prompt = text_flag("prompt", prompt)

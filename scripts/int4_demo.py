@@ -89,9 +89,9 @@ def demo(
         top_p: nucleus sampling threshold.
         max_seq_len: KV cache length.
         device: cpu or cuda (default: cuda if available).
-        compile: Compile the decode step (torch.compile; CUDA graphs on a GPU) at load, which takes a
-            while once (printed) and makes every later token faster; --nocompile runs eager. Default: on with
-            one process, unless the environment sets LLAMA_LITE_COMPILE=0.
+        compile: Compile the decode step (torch.compile; CUDA graphs on a GPU) at load, which takes from
+            a minute to several once (printed); one process only. Default: off (on a CPU it measured no
+            faster than eager), or as the environment's LLAMA_LITE_COMPILE=1.
     """
     ckpt = Path(checkpoint_dir).expanduser() if checkpoint_dir else prepare_synthetic(cache_dir())
     start = time.perf_counter()

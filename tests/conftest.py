@@ -21,9 +21,10 @@ sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torc
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-# Models build eager in the suite (and in the scripts it runs): compiling a decode step takes
-# tens of seconds on two cores. tests/test_compile.py builds compiled models on purpose.
-os.environ.setdefault("LLAMA_LITE_COMPILE", "0")
+# Models build eager in the suite (and in the scripts it runs), whatever the environment says:
+# compiling a decode step takes tens of seconds on two cores. tests/test_compile.py builds
+# compiled models on purpose.
+os.environ["LLAMA_LITE_COMPILE"] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -19,12 +19,12 @@ def build(ckpt, mode, dtype, compile):  # noqa: A002
                               progress=False)  # fmt: skip
 
 
-def test_compiled_by_default_unless_the_environment_says_no(tiny_ckpt, dist1, monkeypatch):
+def test_eager_by_default_compiled_when_the_environment_says_so(tiny_ckpt, dist1, monkeypatch):
     from llama_lite.generation import Llama4
 
-    monkeypatch.setenv("LLAMA_LITE_COMPILE", "0")  # as the suite's conftest sets it
+    monkeypatch.delenv("LLAMA_LITE_COMPILE")
     assert Llama4.build(tiny_ckpt, max_seq_len=16, max_batch_size=1).compile_seconds is None
-    # compile=None with LLAMA_LITE_COMPILE unset is on: the cases below build with it
+    # compile=None with LLAMA_LITE_COMPILE=1 is on: the cases below build with it
 
 
 def decode_logits(llama, prompt, steps):
@@ -49,7 +49,7 @@ def graphs_compiled() -> int:
 def test_compiled_decode_equals_eager(tiny_ckpt, dist1, mode, dtype, monkeypatch):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    monkeypatch.delenv("LLAMA_LITE_COMPILE")
+    monkeypatch.setenv("LLAMA_LITE_COMPILE", "1")
     eager, compiled = build(tiny_ckpt, mode, dtype, False), build(tiny_ckpt, mode, dtype, None)
     assert compiled.compile_seconds > 0 and graphs_compiled() == 1  # compiled at load, batch 1
     prompts = [[1 + 3 * i for i in range(9)], [7, 8, 9], [11, 12, 13, 14, 15]]
