@@ -165,8 +165,9 @@ def _run_step(cmd: list[str], out: Path, log: Path) -> None:
             proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0 or not tmp.exists():
             tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
-            raise RuntimeError(f"{Path(cmd[1] if cmd[0] == sys.executable else cmd[0]).name} exited with status "
-                               f"{proc.returncode} (log {log}): {tail[-400:]}")
+            tool = Path(cmd[1] if cmd[0] == sys.executable else cmd[0]).name
+            raise RuntimeError(f"{tool} exited with status {proc.returncode} (log {log})"
+                               + (f": {tail[-400:]}" if tail else ""))
         tmp.rename(out)
     finally:
         tmp.unlink(missing_ok=True)
