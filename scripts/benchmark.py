@@ -570,7 +570,8 @@ def llama_cpp_notes(tools, ratios: list[dict], version: Optional[dict], settings
     build = f"build {version['build_commit']} ({version['build_number']})" if version else "no build ran"
     lines = [f"llama.cpp: {build}, {tools.bench} -t {settings['threads']} -p {settings['prefill_len']} "
              f"-n {settings['decode_tokens']} -r {settings['llama_cpp_runs']} (mean of the runs; decode after an empty "
-             "context). Q8_0 / Q4_0 by llama-quantize's default recipe (Q4_0 keeps output.weight in Q6_K).\n"]
+             "context). Q8_0 / Q4_0 by llama-quantize's default recipe (its Q4_0 keeps output.weight in Q6_K; with 8 "
+             "experts, attention K/V in Q8_0).\n"]
     if ratios:
         lines += ["| llama-lite | llama.cpp | decode b1 lite / llama.cpp | prefill lite / llama.cpp |", "|---|---|---|---|"]
         lines += [f"| {r['llama_lite']} | {r['llama_cpp']} | {_ratio(r['decode_b1'])} | {_ratio(r['prefill'])} |"
