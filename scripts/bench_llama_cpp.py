@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -221,7 +222,7 @@ def bench_command(tools: Tools, gguf: Path, threads: int, prefill_len: int, deco
 def parse_bench_json(text: str, prefill_len: int, decode_tokens: int) -> dict:
     """The result row of one llama-bench ``-o json`` run (a list of tests, each with n_prompt, n_gen,
     avg_ts, stddev_ts, samples_ts, build_commit, build_number, ...): prefill of ``prefill_len`` tokens
-    and decode of ``decode_tokens`` tokens after an empty context."""
+    and decode of ``decode_tokens`` tokens after an empty context, tokens/s as the median of the runs."""
     start = text.find("[")
     if start < 0:
         raise ValueError(f"llama-bench printed no JSON list: {text.strip()[:200]!r}")
@@ -234,9 +235,12 @@ def parse_bench_json(text: str, prefill_len: int, decode_tokens: int) -> dict:
             kind = "decode_b1"
         else:
             continue
-        row[f"{kind}_tok_s"] = float(t["avg_ts"])
+        runs = [float(v) for v in t.get("samples_ts") or []]
+        # The median of the runs, as for llama-lite (one run a neighbour slowed moves a mean far more).
+        row[f"{kind}_tok_s"] = statistics.median(runs) if runs else float(t["avg_ts"])
+        row[f"{kind}_mean"] = float(t["avg_ts"])
         row[f"{kind}_stddev"] = float(t.get("stddev_ts") or 0.0)
-        row[f"{kind}_runs"] = [float(v) for v in t.get("samples_ts") or []]
+        row[f"{kind}_runs"] = runs
         for key in ("build_commit", "build_number", "cpu_info", "model_type", "model_size", "model_n_params",
                     "n_threads"):
             if key in t:

@@ -149,7 +149,8 @@ class StreamRead:
 
 class OtherLoad:
     """Share of the machine's CPU time other processes used over an interval (from /proc/stat): with
-    two cores, another busy process stalls every multi-threaded op of ours until its thread runs."""
+    two cores, another busy process stalls every multi-threaded op of ours until its thread runs.
+    Children this process waited for count as its own (llama-bench, run by the benchmark)."""
 
     def __init__(self):
         self.start = self._now()
@@ -164,7 +165,7 @@ class OtherLoad:
         hz = os.sysconf("SC_CLK_TCK")
         busy = (sum(ticks) - ticks[3] - ticks[4]) / hz  # all but idle and iowait
         own = os.times()
-        return time.perf_counter(), busy, own.user + own.system
+        return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
 
     def share(self) -> Optional[float]:
         end = self._now()
@@ -569,7 +570,7 @@ def llama_cpp_notes(tools, ratios: list[dict], version: Optional[dict], settings
     """The llama.cpp build and command under the table, and llama-lite's speed over llama.cpp's."""
     build = f"build {version['build_commit']} ({version['build_number']})" if version else "no build ran"
     lines = [f"llama.cpp: {build}, {tools.bench} -t {settings['threads']} -p {settings['prefill_len']} "
-             f"-n {settings['decode_tokens']} -r {settings['llama_cpp_runs']} (mean of the runs; decode after an empty "
+             f"-n {settings['decode_tokens']} -r {settings['llama_cpp_runs']} (median of the runs; decode after an empty "
              "context). Q8_0 / Q4_0 by llama-quantize's default recipe (its Q4_0 keeps output.weight in Q6_K; with 8 "
              "experts, attention K/V in Q8_0).\n"]
     if ratios:

@@ -154,11 +154,12 @@ def test_a_failed_quantization_leaves_nothing_and_the_rest_runs(fake_llama_cpp, 
 
 
 def test_parse_bench_json_and_ratios():
-    tests = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 80.0, "stddev_ts": 2.0, "samples_ts": [78, 82],
+    tests = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 60.0, "stddev_ts": 30.0, "samples_ts": [82, 18, 80],
               "build_commit": "abc", "build_number": 7},
              {"n_prompt": 0, "n_gen": 24, "avg_ts": 8.0, "stddev_ts": 0.1, "samples_ts": [8, 8]}]
     row = bench_llama_cpp.parse_bench_json(json.dumps(tests), 512, 24)
-    assert (row["prefill_tok_s"], row["decode_b1_tok_s"], row["prefill_runs"], row["build_commit"]) == (80, 8, [78, 82], "abc")
+    assert (row["prefill_tok_s"], row["prefill_mean"], row["decode_b1_tok_s"]) == (80, 60, 8)  # median of the runs
+    assert (row["prefill_runs"], row["build_commit"], row["build_number"]) == ([82, 18, 80], "abc", 7)
     with pytest.raises(ValueError, match="tg6"):
         bench_llama_cpp.parse_bench_json(json.dumps(tests), 512, 6)
     with pytest.raises(ValueError, match="no JSON"):
