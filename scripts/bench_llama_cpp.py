@@ -214,9 +214,25 @@ def ensure_ggufs(tools: Tools, hf: Path, threads: int,
 # ---- llama-bench --------------------------------------------------------------------------------
 
 
-def bench_command(tools: Tools, gguf: Path, threads: int, prefill_len: int, decode_tokens: int, runs: int) -> list[str]:
+def load_flags(tools: Tools) -> list[str]:
+    """llama-bench's flag to read the whole model into memory at load, as its --help names it (newer
+    builds: ``-lm none``; older: ``-mmp 0``). Memory-mapped, a MoE model's experts would be paged in
+    from disk during the timed runs: its warm-up decodes one token, which reads one expert per layer."""
+    try:
+        text = subprocess.run([str(tools.bench), "--help"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if "--load-mode" in text:
+        return ["-lm", "none"]
+    if "--mmap" in text:
+        return ["-mmp", "0"]
+    return []
+
+
+def bench_command(tools: Tools, gguf: Path, threads: int, prefill_len: int, decode_tokens: int, runs: int,
+                  extra: list[str]) -> list[str]:
     return [str(tools.bench), "-m", str(gguf), "-t", str(threads), "-p", str(prefill_len), "-n", str(decode_tokens),
-            "-r", str(runs), "-o", "json"]
+            "-r", str(runs), *extra, "-o", "json"]
 
 
 def parse_bench_json(text: str, prefill_len: int, decode_tokens: int) -> dict:
@@ -253,11 +269,12 @@ def parse_bench_json(text: str, prefill_len: int, decode_tokens: int) -> dict:
     return row
 
 
-def run_bench(tools: Tools, fmt: str, gguf: Path, spec: dict) -> dict:
+def run_bench(tools: Tools, fmt: str, gguf: Path, spec: dict, extra: list[str]) -> dict:
     """One format through llama-bench; an error row when it fails."""
     from scripts.benchmark import OtherLoad, wait_for_quiet
 
-    cmd = bench_command(tools, gguf, spec["threads"], spec["prefill_len"], spec["decode_tokens"], spec["llama_cpp_runs"])
+    cmd = bench_command(tools, gguf, spec["threads"], spec["prefill_len"], spec["decode_tokens"], spec["llama_cpp_runs"],
+                        extra)
     row: dict = {"engine": ENGINE, "mode": fmt, "gguf": str(gguf), "command": " ".join(cmd)}
     wait_for_quiet(spec["wait_quiet"])
     load = OtherLoad()
@@ -302,12 +319,13 @@ def version(results: list[dict]) -> Optional[dict]:
 def measure(tools: Tools, ggufs: dict[str, Path], errors: dict[str, str], spec: dict) -> list[dict]:
     """One row per format: llama-bench's figures, or the error that kept it from running."""
     rows = []
+    extra = load_flags(tools) if ggufs else []
     for fmt in FORMATS:
         if fmt not in ggufs:
             rows.append({"engine": ENGINE, "mode": fmt, "error": errors.get(fmt, "not converted")})
             continue
         print(f"[benchmark] {ENGINE}-{fmt} ...", file=sys.stderr, flush=True)
-        row = run_bench(tools, fmt, ggufs[fmt], spec)
+        row = run_bench(tools, fmt, ggufs[fmt], spec, extra)
         if "error" in row:
             print(f"[benchmark] {ENGINE}-{fmt} failed: {row['error']}", file=sys.stderr, flush=True)
         else:

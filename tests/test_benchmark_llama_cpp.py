@@ -16,9 +16,11 @@ from scripts.common import FlagError, run_cli
 FAKE_BENCH = '''
 import json, sys
 args = sys.argv[1:]
+if args == ["--help"]:
+    sys.exit(print("  -lm, --load-mode <auto|none|mmap|mlock|mmap+mlock|dio> (default: auto)"))
 opts = dict(zip(args[::2], args[1::2]))
 open({log!r}, "a").write("bench " + " ".join(args) + "\\n")
-need = {{"-t": "1", "-p": "64", "-n": "6", "-r": "1", "-o": "json"}}
+need = {{"-t": "1", "-p": "64", "-n": "6", "-r": "1", "-lm": "none", "-o": "json"}}
 if any(opts.get(k) != v for k, v in need.items()) or not opts.get("-m", "").endswith(".gguf"):
     sys.exit("fake llama-bench: unexpected arguments " + " ".join(args))
 speed = {{"bf16.gguf": 10.0, "q8_0.gguf": 20.0, "q4_0.gguf": 40.0}}[opts["-m"].rsplit("/", 1)[-1]]
