@@ -2,7 +2,8 @@
 mode, with Meta's llama-models reference and Hugging Face transformers as peers, in one run.
 
     python -m scripts.benchmark [--preset bench] [--checkpoint DIR] [--modes bf16,int4_mixed,fp8_mixed,w4a8,nvfp4,int4_all]
-                                [--peers] [--quick] [--out results.json] [--plot bench.png] [--compile/--nocompile]
+                                [--peers] [--llama_cpp BUILD_DIR] [--quick] [--out results.json] [--plot bench.png]
+                                [--compile/--nocompile]
 
 Without --checkpoint a synthetic checkpoint of --preset is written once under ~/.cache/llama-lite/
 (the bench preset: ~4.6B parameters, ~9 GB, a few minutes) and reused; --peers also writes its
@@ -22,6 +23,10 @@ What is measured, per engine / mode:
   the two under the same load of the (shared, noisy) machine.
 * peers (--peers): llama-models' ``Transformer`` (bf16, on the CPU) and transformers'
   ``Llama4ForCausalLM`` (bf16, sdpa), decode tokens/s at batch 1 and the ratio to llama-lite bf16.
+* llama.cpp (--llama_cpp BUILD_DIR, see scripts/bench_llama_cpp.py): the Hugging Face export converted
+  once to GGUF bf16, Q8_0 and Q4_0, each run by llama-bench with the same threads, decode length
+  (``-n``) and prefill length (``-p``); a second table gives llama-lite bf16 / llama.cpp bf16,
+  int4_mixed / Q8_0 and int4_all / Q4_0. Without the flag there are no llama.cpp rows.
 
 Output: a markdown table on stdout, --out (JSON) and --plot (PNG bar chart, needs matplotlib:
 ``pip install -e ".[bench]"``; skipped with a note without it).
@@ -43,6 +48,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from scripts import bench_llama_cpp
 from scripts.common import FlagError, run_cli, text_flag
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,9 +58,9 @@ GiB = 1024**3
 
 # Runs per measurement. The machine is shared: medians of several runs, and ratios taken within a run.
 FULL = dict(preset="bench", decode_tokens=24, decode_runs=5, batch=8, batch_tokens=12, batch_runs=3,
-            prompt_len=16, prefill_len=512, prefill_runs=3, peer_tokens=8, peer_runs=3)
+            prompt_len=16, prefill_len=512, prefill_runs=3, peer_tokens=8, peer_runs=3, llama_cpp_runs=5)
 QUICK = dict(preset="tiny", decode_tokens=6, decode_runs=2, batch=8, batch_tokens=4, batch_runs=1,
-             prompt_len=8, prefill_len=64, prefill_runs=1, peer_tokens=4, peer_runs=1)
+             prompt_len=8, prefill_len=64, prefill_runs=1, peer_tokens=4, peer_runs=1, llama_cpp_runs=1)
 
 
 
@@ -143,7 +149,8 @@ class StreamRead:
 
 class OtherLoad:
     """Share of the machine's CPU time other processes used over an interval (from /proc/stat): with
-    two cores, another busy process stalls every multi-threaded op of ours until its thread runs."""
+    two cores, another busy process stalls every multi-threaded op of ours until its thread runs.
+    Children this process waited for count as its own (llama-bench, run by the benchmark)."""
 
     def __init__(self):
         self.start = self._now()
@@ -158,7 +165,7 @@ class OtherLoad:
         hz = os.sysconf("SC_CLK_TCK")
         busy = (sum(ticks) - ticks[3] - ticks[4]) / hz  # all but idle and iowait
         own = os.times()
-        return time.perf_counter(), busy, own.user + own.system
+        return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
 
     def share(self) -> Optional[float]:
         end = self._now()
@@ -511,6 +518,10 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def _ratio(value: Optional[float]) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
+
+
 def normalized_vs(r: dict, base: Optional[dict]) -> Optional[float]:
     """Decode speed relative to ``base`` per GB/s of the streaming read measured in each one's own
     runs: modes measured minutes apart on a shared machine meet different memory bandwidth, and
@@ -553,6 +564,21 @@ def markdown_table(results: list[dict]) -> str:
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def llama_cpp_notes(tools, ratios: list[dict], version: Optional[dict], settings: dict) -> str:
+    """The llama.cpp build and command under the table, and llama-lite's speed over llama.cpp's."""
+    build = f"build {version['build_commit']} ({version['build_number']})" if version else "no build ran"
+    lines = [f"llama.cpp: {build}, {tools.bench} -t {settings['threads']} -p {settings['prefill_len']} "
+             f"-n {settings['decode_tokens']} -r {settings['llama_cpp_runs']} (median of the runs; decode after an empty "
+             "context). Q8_0 / Q4_0 by llama-quantize's default recipe (its Q4_0 keeps output.weight in Q6_K; with 8 "
+             "experts, attention K/V in Q8_0).\n"]
+    if ratios:
+        lines += ["| llama-lite | llama.cpp | decode b1 lite / llama.cpp | prefill lite / llama.cpp |", "|---|---|---|---|"]
+        lines += [f"| {r['llama_lite']} | {r['llama_cpp']} | {_ratio(r['decode_b1'])} | {_ratio(r['prefill'])} |"
+                  for r in ratios]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def check_targets(results: list[dict], preset: str) -> list[dict]:
@@ -599,7 +625,8 @@ def plot_results(results: list[dict], path: Path) -> Optional[str]:
     ok = [r for r in results if "error" not in r]
     if not ok:
         return "nothing to plot"
-    labels = [r["mode"] if r["engine"] == "llama-lite" else r["engine"] for r in ok]
+    labels = [r["mode"] if r["engine"] == "llama-lite" else r["engine"] if r["engine"] in PEERS
+              else f"{r['engine']} {r['mode']}" for r in ok]
     x = range(len(ok))
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(ok)), 4.5))
     b1 = [r.get("decode_b1_tok_s") or 0 for r in ok]
@@ -615,7 +642,7 @@ def plot_results(results: list[dict], path: Path) -> Optional[str]:
             ax.annotate(f"{r['roofline_pct']:.0f}%", (i - 0.2, b1[i]), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels, rotation=20)
     ax.set_ylabel("tokens / s")
-    ax.set_title("llama-lite decode speed (llama-lite modes, then peers in bf16)")
+    ax.set_title("llama-lite decode speed (llama-lite modes, then peers)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -672,6 +699,7 @@ def main(
     hf_checkpoint: Optional[str] = None,
     cache_dir: Optional[str] = None,
     wait_quiet: float = 120.0,
+    llama_cpp: Optional[str] = None,
 ) -> None:
     """Benchmark llama-lite decode / prefill / memory in bf16 and each quantization mode, against its roofline and peers.
 
@@ -689,6 +717,9 @@ def main(
         cache_dir: Where synthetic checkpoints are kept (default ~/.cache/llama-lite).
         wait_quiet: Before each timed run, wait up to this many seconds for other processes to leave the
             CPUs (< 15% of their time); 0 never waits. "others' CPU %" in the table says how quiet it was.
+        llama_cpp: A llama.cpp build folder (bin/llama-bench, bin/llama-quantize) inside its source
+            (convert_hf_to_gguf.py): also convert the Hugging Face export to GGUF bf16 / Q8_0 / Q4_0 once
+            (cached beside it) and run llama-bench on each with the same threads and lengths.
     """
     modes_text = text_flag("modes", modes) or ""
     chosen = [m.strip() for m in modes_text.split(",") if m.strip()]
@@ -699,6 +730,7 @@ def main(
         raise FlagError(f"--threads must be a positive integer, got {threads!r}")
     if not isinstance(wait_quiet, (int, float)) or isinstance(wait_quiet, bool) or wait_quiet < 0:
         raise FlagError(f"--wait_quiet must be a number of seconds >= 0, got {wait_quiet!r}")
+    tools = bench_llama_cpp.find_tools(text_flag("llama_cpp", llama_cpp) or "") if llama_cpp is not None else None
     settings = dict(QUICK if quick else FULL)
     preset = text_flag("preset", preset) or settings["preset"]
     root = cache_root(text_flag("cache_dir", cache_dir))
@@ -714,7 +746,7 @@ def main(
             raise FlagError(f"unknown --preset {preset!r}; choose one of {', '.join(PRESETS)}")
         ckpt = ensure_checkpoint(root, preset, "meta")
     hf = Path(text_flag("hf_checkpoint", hf_checkpoint)).expanduser() if hf_checkpoint else None
-    if peers and hf is None:
+    if (peers or tools) and hf is None:
         if (ckpt / "config.json").exists():
             hf = ckpt
         elif preset != "custom":
@@ -725,6 +757,22 @@ def main(
     settings["max_seq_len"] = max(settings["prefill_len"], settings["prompt_len"]) + max(
         settings["decode_tokens"], settings["batch_tokens"], settings["peer_tokens"]) + 8
     info = machine_info(threads)
+    ggufs: dict[str, Path] = {}
+    gguf_errors: dict[str, str] = {}
+    if tools:  # converted before anything is timed (once; then from the cache)
+        if hf is None or not (hf / "config.json").exists():
+            gguf_errors = dict.fromkeys(bench_llama_cpp.FORMATS, "needs --hf_checkpoint (the same weights in "
+                                        "Hugging Face layout)")
+        else:
+            differs = bench_llama_cpp.differences(json.loads((hf / "config.json").read_text()))
+            if differs:
+                print(f"[benchmark] note: llama.cpp fixes what this checkpoint sets otherwise: {'; '.join(differs)}",
+                      file=sys.stderr, flush=True)
+            settings["llama_cpp_differs"] = differs
+            ggufs, gguf_errors = bench_llama_cpp.ensure_ggufs(
+                tools, hf, threads, lambda m: print(f"[benchmark] llama.cpp: {m}", file=sys.stderr, flush=True))
+            for fmt, err in gguf_errors.items():
+                print(f"[benchmark] llama.cpp {fmt} not made: {err}", file=sys.stderr, flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="llama-lite-bench-") as tmp:
         for mode in chosen:
@@ -740,6 +788,8 @@ def main(
             else:
                 results.append({"engine": "transformers", "mode": "bf16",
                                 "error": "needs --hf_checkpoint (the same weights in Hugging Face layout)"})
+    if tools:
+        results += bench_llama_cpp.measure(tools, ggufs, gguf_errors, settings)
     info["load_avg_end"] = os.getloadavg()
     targets = check_targets(results, preset)
 
@@ -754,11 +804,18 @@ def main(
           f"({info['cpus']} CPUs). \"others' CPU %\": the machine's CPU time other processes took during the decode "
           "runs; when another process keeps a core busy, every multi-threaded op waits for its thread on that core "
           "(a scheduler slice, ~ms), so decode with --threads > 1 slows far more than a single large streaming read.\n")
+    cpp_ratios = bench_llama_cpp.ratios(results) if tools else []
+    cpp_version = bench_llama_cpp.version(results) if tools else None
+    if tools:
+        print(llama_cpp_notes(tools, cpp_ratios, cpp_version, settings))
     if targets:
         print("| target | value | goal | met |\n|---|---|---|---|")
         for t in targets:
             print(f"| {t['target']} | {t['value']:.2f}{t['unit']} | {'<= ' if t.get('at_most') else ''}{t['goal']:g}{t['unit']} | {'yes' if t['met'] else 'NO'} |")
     payload = {"settings": settings, "machine": info, "results": results, "targets": targets}
+    if tools:
+        payload["llama_cpp"] = {"version": cpp_version, "ratios": cpp_ratios, "llama_bench": str(tools.bench),
+                                "convert": str(tools.convert), "quantize": str(tools.quantize)}
     out_path = Path(text_flag("out", out) or "results.json").expanduser()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(payload, indent=2))

@@ -28,5 +28,7 @@ def test_benchmark_quick(tmp_path, tiny_ckpt):
     bf16, int4 = data["results"]
     assert int4["bytes_per_token"] < bf16["bytes_per_token"] / 3  # int4 everywhere: ~4x fewer bytes per token
     assert "| llama-lite | bf16 |" in proc.stdout
+    # Without --llama_cpp no llama.cpp row, ratio or figure: nothing is guessed.
+    assert "llama.cpp" not in proc.stdout and "llama_cpp" not in data
     if importlib.util.find_spec("matplotlib") is not None:
         assert plot.stat().st_size > 0
