@@ -10,9 +10,9 @@ Sections, in the order they run (``--sections`` picks some; ``decode`` means the
   kernels    the Triton kernels, compiled (TRITON_INTERPRET is removed from the workers' environment),
              against ``kernels.reference`` on the same inputs, through ``kernels.dispatch`` on the triton
              backend: linear, grouped_linear, grouped_swiglu and the dense swiglu of the shared expert,
-             for every format of ``scripts.bench_triton.FORMATS`` at M = 1, 5, 33 and 512 (K 5120,
-             N 2048, 4 experts, one of them empty), with the tolerances of tests/kernels/test_triton.py
-             (``TOLERANCES``); then each format's grouped_swiglu replayed from a CUDA graph against its
+             for every format of ``scripts.bench_triton.FORMATS`` at M = 1, 5, 33 and 512 (model dim
+             5120, expert hidden 4096, 4 experts, one of them empty), with the tolerances of
+             tests/kernels/test_triton.py (``TOLERANCES``); then each format's grouped_swiglu replayed from a CUDA graph against its
              eager result, and whether the fp8 x fp8 ``tl.dot`` compiled or fell back to bf16.
   fp8_gemm   the fp8 prefill GEMM: Triton's fp8 linear (with and without its activation quantization,
              checked against the reference) at 512 and 4096 tokens x 8192 x 5120 and its grouped_linear
@@ -781,7 +781,8 @@ def section_env(ck: Check, copy_bytes: int = GiB, reps: int = 10) -> None:
         now = os.environ.get("TRITON_INTERPRET")
         note = f" (the caller's environment had TRITON_INTERPRET={caller})" if caller else ""
         what = "the kernels would be interpreted" if now == "1" else "the kernels are compiled"
-        return {"status": "fail" if now == "1" else "info", "result": f"TRITON_INTERPRET={now!r} in the workers: {what}{note}"}
+        return {"status": "fail" if now == "1" else "info",
+                "result": f"TRITON_INTERPRET={now!r} in the workers: {what}{note}"}
 
     def bandwidth():
         bw = copy_bandwidth(dev, copy_bytes, make_timer(dev, reps))
@@ -805,7 +806,10 @@ def section_env(ck: Check, copy_bytes: int = GiB, reps: int = 10) -> None:
 
 
 def section_kernels(ck: Check, impl: str = "triton", formats=None, ms=(1, 5, 33, 512), dim: int = 5120,
-                    hidden: int = 2048, experts: int = 4, seed: int = 0) -> None:  # fmt: skip
+                    hidden: int = 4096, experts: int = 4, seed: int = 0) -> None:  # fmt: skip
+    """Each op and format against the reference at every M. hidden 4096: W1 / W3 (N 4096) and W2
+    (N 5120) take the same tiles (the decode tile's BLOCK_N changes at N = 4096), so fewer variants
+    compile, and the fp8_gemm section's shapes reuse the prefill tile compiled here."""
     import torch
 
     from kernels import reference
@@ -1069,8 +1073,9 @@ def compile_stats() -> dict:
     try:
         from torch._dynamo.utils import counters
 
-        return {"graph_breaks": sum(counters["graph_break"].values()), "unique_graphs": counters["stats"]["unique_graphs"],
-                **{k: v for k, v in counters["inductor"].items() if "cudagraph" in k}}  # fmt: skip
+        return {"graph_breaks": sum(counters["graph_break"].values()),
+                "unique_graphs": counters["stats"]["unique_graphs"],
+                **{k: v for k, v in counters["inductor"].items() if "cudagraph" in k}}
     except Exception as err:  # noqa: BLE001 -- diagnostics only
         return {"unavailable": one_line(err, 100)}
 
@@ -1201,10 +1206,12 @@ def gpu_check(out: str = "gpu_check.json", budget_s: float = 450.0, fp8_peak_tfl
     from llama_lite.errors import LlamaLiteError
     from scripts.common import FlagError
 
-    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or budget_s <= 0:
+    def positive(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+    if not positive(budget_s):
         raise FlagError(f"--budget_s must be a number of seconds > 0, got {budget_s!r}")
-    if fp8_peak_tflops is not None and (isinstance(fp8_peak_tflops, bool) or not isinstance(fp8_peak_tflops, (int, float))
-                                        or fp8_peak_tflops <= 0):  # fmt: skip
+    if fp8_peak_tflops is not None and not positive(fp8_peak_tflops):
         raise FlagError(f"--fp8_peak_tflops must be a number > 0, got {fp8_peak_tflops!r}")
     if isinstance(decode_layers, bool) or not isinstance(decode_layers, int) or decode_layers < 1:
         raise FlagError(f"--decode_layers must be a positive integer, got {decode_layers!r}")
