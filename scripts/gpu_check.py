@@ -1152,7 +1152,7 @@ def section_decode(ck: Check, mode: str = "none", compile: bool = False, batches
 # the command
 
 
-def all_sections(decode_layers: int = 4, work: Optional[dict] = None) -> list[Section]:
+def all_sections(decode_layers: int = 4) -> list[Section]:
     m = "scripts.gpu_check:"
     decode = [
         (f"decode_{name}_{kind}", dict(mode=mode, compile=kind == "compiled"), 75 if kind == "eager" else 120)
