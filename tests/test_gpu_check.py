@@ -182,11 +182,16 @@ def kernels_backend():
     dispatch.set_backend(before)
 
 
-def test_env_section_on_cpu():
-    rows, ctx = run_section(G.section_env, {}, copy_bytes=2**22, reps=2)
+def test_env_section_on_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as in a worker (tests/kernels sets it in this process)
+    rows, ctx = run_section(G.section_env, {"caller_triton_interpret": "1"}, copy_bytes=2**22, reps=2)
     assert rows["GPU"]["status"] == "skipped"
     assert rows["HBM copy bandwidth (read + write)"]["figure"] > 0 and ctx["hbm_gbps"] > 0
     assert all(r["status"] in ("info", "skipped") for r in rows.values()), rows
+    assert "the caller's environment had TRITON_INTERPRET=1" in rows["TRITON_INTERPRET"]["result"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # were the kernels interpreted, the check would say so
+    rows, _ = run_section(G.section_env, {}, copy_bytes=2**22, reps=1)
+    assert rows["TRITON_INTERPRET"]["status"] == "fail"
 
 
 def test_kernel_section_on_the_cpu_kernels(kernels_backend):
