@@ -34,11 +34,14 @@ class GenerationResult:
 
 
 def resolve_device(device=None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    """``device``, default the GPU if there is one; a GPU always with its index (torch.cuda.set_device
+    refuses a bare "cuda"): under torchrun each rank's own, LOCAL_RANK."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return device
 
 
 def find_tokenizer(ckpt_dir: Path, tokenizer_path=None) -> Tokenizer:

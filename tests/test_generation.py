@@ -186,3 +186,19 @@ def test_chat_completion_decodes_a_message(tiny_llama):
     tokens = [s[0].token for s in steps]
     msg = tiny_llama.formatter.decode_assistant_message(tokens, "out_of_tokens")
     assert msg.role == "assistant"
+
+
+def test_a_bare_cuda_device_gets_its_index(monkeypatch):
+    """torch.cuda.set_device refuses torch.device("cuda"): build(device="cuda") (the scripts' --device cuda)
+    must hand it an index, each torchrun rank its own (no GPU needed to check the device it picks)."""
+    from llama_lite.generation import resolve_device
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device(torch.device("cuda")) == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    if not torch.cuda.is_available():
+        assert resolve_device() == torch.device("cpu")
