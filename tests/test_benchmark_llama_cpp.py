@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from scripts import bench_llama_cpp, benchmark
+from scripts import common
 from scripts.common import FlagError, run_cli
 
 # llama-bench -o json: one object per test (fields as tools/llama-bench prints them, trimmed).
@@ -195,6 +196,8 @@ def test_missing_llama_cpp_tools_are_one_line_errors(tmp_path, monkeypatch, caps
         bench_llama_cpp.find_tools("")
     # The command line, as `python -m scripts.benchmark` runs it (in this process: no second torch import).
     monkeypatch.setattr(sys, "argv", ["benchmark", "--quick", "--llama_cpp", str(tmp_path / "nope")])
+    # run_cli ends a script by destroying the process group; the suite's own must outlive this call
+    monkeypatch.setattr(common, "_shutdown_distributed", lambda: None)
     with pytest.raises(SystemExit) as info:
         run_cli(benchmark.main)
     assert info.value.code == 2
