@@ -1,6 +1,6 @@
 """The kernels as PyTorch custom operators, so that ``torch.compile`` traces through them.
 
-``torch.ops.llama_lite_kernels.{linear, grouped_linear, grouped_swiglu, swiglu, bf16_experts}``
+``torch.ops.llama_lite_kernels.{linear, grouped_linear, grouped_swiglu, swiglu}``
 take a weight as the tensors of its container plus a short spec string (the format and its
 scalar fields, e.g. ``Int4Weight|group_size=128|qweight,scales``): no Python object enters a
 graph. Each op runs ``kernels.dispatch``'s function on the container those tensors belong to,
@@ -19,7 +19,6 @@ import weakref
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from . import formats
 from .formats import Fp8Weight, Int4Weight, NVFP4Weight, W4A8Weight
@@ -138,33 +137,6 @@ def _(x, w1, w3, w2, spec1, spec3, spec2):
     return x.new_empty(*x.shape[:-1], _n(w2))
 
 
-def bf16_experts_eager(x_TD: torch.Tensor, offsets_E1: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                       w2: torch.Tensor) -> torch.Tensor:
-    """Routed experts with plain weights in nn.Linear orientation (w1/w3 [E, F, D], w2 [E, D, F]):
-    per expert silu(x W1.T) * (x W3.T), then W2, each product by ``kernels.linear`` in x.dtype."""
-    from .dispatch import linear
-
-    out_TD = torch.empty_like(x_TD)
-    bounds = offsets_E1.tolist()
-    for e in range(w1.shape[0]):
-        lo, hi = bounds[e], bounds[e + 1]
-        if lo == hi:
-            continue
-        x = x_TD[lo:hi]
-        h = F.silu(linear(x, w1[e])) * linear(x, w3[e])
-        out_TD[lo:hi] = linear(h, w2[e])
-    return out_TD
-
-
-bf16_experts_op = torch.library.custom_op("llama_lite_kernels::bf16_experts", bf16_experts_eager, mutates_args=(),
-                                          tags=(torch.Tag.cudagraph_unsafe,))  # reads the offsets on the host
-
-
-@bf16_experts_op.register_fake
-def _(x, offsets, w1, w3, w2):
-    return torch.empty_like(x)
-
-
 # ---- callers (what dispatch's public functions use while compiling)
 
 
@@ -186,12 +158,6 @@ def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1, w3, w2) -> torch.
 def swiglu(x: torch.Tensor, w1, w3, w2) -> torch.Tensor:
     (t1, s1), (t3, s3), (t2, s2) = weight_args(w1), weight_args(w3), weight_args(w2)
     return swiglu_op(x, t1, t3, t2, s1, s3, s2)
-
-
-def bf16_experts(x: torch.Tensor, offsets: torch.Tensor, w1, w3, w2) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return bf16_experts_op(x, offsets, w1, w3, w2)
-    return bf16_experts_eager(x, offsets, w1, w3, w2)
 
 
 def container_of(tensors: list[torch.Tensor], spec: str) -> Optional[object]:

@@ -115,15 +115,32 @@ class _Store:
         return x.to(self.k.dtype).to(x.dtype)
 
 
+def _write_one(store: _Store, k: torch.Tensor, v: torch.Tensor, pos_b1: torch.Tensor, chunk: int, ring: bool,
+               every_slot: bool = False) -> tuple[int, torch.Tensor]:
+    """Store one new token per row at positions ``pos_b1`` [B, 1] (slot p % chunk of a ring, else
+    slot p) and give (n, mask [B, 1, 1, n]) of the slots [0, n) it attends to: up to the furthest
+    row's slot (all of them with ``every_slot``), causal, and within the query's chunk when
+    ``chunk`` > 0 on a prefix cache."""
+    bsz, dev = pos_b1.shape[0], pos_b1.device
+    slot = pos_b1 % chunk if ring else pos_b1
+    store.write((torch.arange(bsz, device=dev).unsqueeze(1), slot), k, v)
+    n = store.k.shape[1] if every_slot else int(slot.max()) + 1
+    key_pos = torch.arange(n, device=dev)
+    mask = key_pos <= slot
+    if chunk and not ring:
+        mask &= key_pos // chunk == pos_b1 // chunk
+    return n, mask.view(bsz, 1, 1, n)
+
+
 def decode_attention(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk: int, ring: bool):
     """``decode_attention_op`` while torch.compile traces, its function directly otherwise."""
     fn = decode_attention_op if torch.compiler.is_compiling() else decode_attention_eager
     return fn(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk, ring)
 
 
-def decode_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                     k_scale: torch.Tensor, v_scale: torch.Tensor, positions: torch.Tensor, chunk: int,
-                     ring: bool) -> torch.Tensor:
+def decode_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                           cache_v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                           positions: torch.Tensor, chunk: int, ring: bool) -> torch.Tensor:
     """One decode step of one attention layer: q [B, 1, H, D], k / v [B, 1, Hkv, D] at ``positions`` [B].
 
     Writes k / v into the cache (slot p % chunk of a ring, else slot p), then attends over the
@@ -133,20 +150,12 @@ def decode_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     depends on the positions, so a compiled decode step keeps fixed shapes around it.
     """
     store = _Store.of(cache_k, cache_v, k_scale, v_scale)
-    bsz, dev = q.shape[0], q.device
-    rows = torch.arange(bsz, device=dev).unsqueeze(1)
-    pos = positions.view(bsz, 1)
-    slot = pos % chunk if ring else pos
-    store.write((rows, slot), k, v)
+    bsz = q.shape[0]
     # On a GPU every slot, masked: no host sync, so a CUDA graph can hold the step.
-    n = cache_k.shape[1] if q.is_cuda else int(slot.max()) + 1
-    key_pos = torch.arange(n, device=dev)
-    mask = key_pos <= slot
-    if chunk and not ring:
-        mask &= key_pos // chunk == pos // chunk
+    n, mask = _write_one(store, k, v, positions.view(bsz, 1), chunk, ring, every_slot=q.is_cuda)
     keys, values = store.read(bsz, n, q.dtype)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask.view(bsz, 1, 1, n), enable_gqa=True)
+                                         attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2).contiguous()
 
 
@@ -214,13 +223,8 @@ class RingCache:
         dev = k.device
         masks = step.masks
         if seqlen == 1:
-            rows = torch.arange(bsz, device=dev).unsqueeze(1)
-            self.store.write((rows, pos % c), k, v)
-            if ("ring", c) not in masks:
-                n = int((pos % c).max()) + 1
-                masks["ring", c] = (torch.arange(n, device=dev) <= pos % c).view(bsz, 1, 1, n)
-            mask = masks["ring", c]
-            keys, values = self.store.read(bsz, mask.shape[-1], k.dtype)
+            n, mask = _write_one(self.store, k, v, pos, c, True)
+            keys, values = self.store.read(bsz, n, k.dtype)
             return keys, values, mask
 
         start = pos[:, 0]

@@ -8,7 +8,7 @@ a = B*S tokens, T = tokens routed (a * top_k).
 
 import contextlib
 import math
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import fairscale.nn.model_parallel.layers as fs_layers
@@ -207,19 +207,22 @@ class FeedForward(nn.Module):
         return reduce_parallel(out) if self.do_reduce else out
 
 
+def each_expert(x_TD: torch.Tensor, offsets_E1: torch.Tensor, ffn: Callable[[int, torch.Tensor], torch.Tensor]):
+    """Rows offsets[e]:offsets[e+1] of x_TD through ``ffn(e, rows)``, for each expert e with rows."""
+    out_TD = torch.empty_like(x_TD)
+    bounds = offsets_E1.tolist()
+    for e in range(offsets_E1.numel() - 1):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo < hi:
+            out_TD[lo:hi] = ffn(e, x_TD[lo:hi])
+    return out_TD
+
+
 def routed_experts_eager(x_TD: torch.Tensor, offsets_E1: torch.Tensor, w1_EDF: torch.Tensor, w3_EDF: torch.Tensor,
                          w2_EFD: torch.Tensor) -> torch.Tensor:
     """SwiGLU of each expert e on rows offsets[e]:offsets[e+1] of x_TD (weights as Meta stores them)."""
-    out_TD = torch.empty_like(x_TD)
-    bounds = offsets_E1.tolist()
-    for e in range(w1_EDF.shape[0]):
-        lo, hi = bounds[e], bounds[e + 1]
-        if lo == hi:
-            continue
-        x = x_TD[lo:hi]
-        h = F.silu(linear(x, w1_EDF[e].mT)) * linear(x, w3_EDF[e].mT)
-        out_TD[lo:hi] = linear(h, w2_EFD[e].mT)
-    return out_TD
+    return each_expert(x_TD, offsets_E1, lambda e, x: linear(
+        F.silu(linear(x, w1_EDF[e].mT)) * linear(x, w3_EDF[e].mT), w2_EFD[e].mT))
 
 
 # Reads the offsets on the host: CUDA graphs leave it out (inductor splits the graph around it).

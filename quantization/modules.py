@@ -9,8 +9,7 @@ from torch import nn
 
 import kernels
 import kernels.formats
-import kernels.ops
-from llama_lite.model import gather_parallel, reduce_parallel
+from llama_lite.model import each_expert, gather_parallel, reduce_parallel
 from kernels.formats import QuantizedWeight
 
 
@@ -104,6 +103,24 @@ class KernelFeedForward(nn.Module):
         return f"{tuple(self.w1.shape)}, {self.w1.dtype}"
 
 
+def bf16_experts_eager(x_TD: torch.Tensor, offsets_E1: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                       w2: torch.Tensor) -> torch.Tensor:
+    """Routed experts with plain weights in nn.Linear orientation (w1/w3 [E, F, D], w2 [E, D, F]),
+    each product by ``kernels.linear`` in x.dtype."""
+    return each_expert(x_TD, offsets_E1, lambda e, x: kernels.linear(
+        nn.functional.silu(kernels.linear(x, w1[e])) * kernels.linear(x, w3[e]), w2[e]))
+
+
+# Reads the offsets on the host: CUDA graphs leave it out.
+bf16_experts = torch.library.custom_op("llama_lite_quantization::bf16_experts", bf16_experts_eager, mutates_args=(),
+                                       tags=(torch.Tag.cudagraph_unsafe,))
+
+
+@bf16_experts.register_fake
+def _(x_TD, offsets_E1, w1, w3, w2):
+    return torch.empty_like(x_TD)
+
+
 class KernelExperts(nn.Module):
     """Routed experts left in bf16, in nn.Linear orientation (w1/w3 [E, F, D], w2 [E, D, F],
     contiguous), each expert's products by ``kernels.linear``: the core's Experts computed the same
@@ -116,7 +133,8 @@ class KernelExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
         # a loop over the routing's bounds, one opaque operator when compiled
-        return kernels.ops.bf16_experts(x_TD, offsets_E1, self.w1, self.w3, self.w2)
+        fn = bf16_experts if torch.compiler.is_compiling() else bf16_experts_eager
+        return fn(x_TD, offsets_E1, self.w1, self.w3, self.w2)
 
     def extra_repr(self) -> str:
         return f"bf16, experts={self.num_experts}"
