@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -148,7 +148,7 @@ def quantize(
         error = f"could not write {tmp}: {e.strerror or e}"
     ok = _agree(error is None, world)
     if rank == 0:
-        try:
+        def finish(folder: Path) -> None:
             if not ok:
                 raise CheckpointError(error or "another rank failed to write its part; nothing was written")
             config = {
@@ -157,16 +157,11 @@ def quantize(
                 "targets": sorted({t for t in _targets_of(entries)}),
                 "tensors": entries,
             }
-            (tmp / QUANT_CONFIG).write_text(json.dumps(config, indent=1))
-            (tmp / "params.json").write_text(json.dumps(args.to_params(), indent=2))
-            shutil.copyfile(tokenizer.model_path, tmp / "tokenizer.model")
-            _commit(tmp, out)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"could not write {out}: {e.strerror or e}; nothing was written") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            (folder / QUANT_CONFIG).write_text(json.dumps(config, indent=1))
+            (folder / "params.json").write_text(json.dumps(args.to_params(), indent=2))
+            shutil.copyfile(tokenizer.model_path, folder / "tokenizer.model")
+
+        _write_and_commit(tmp, out, finish)
         print(f"wrote {out} ({mode.value}, {world} rank file(s))")
     if world > 1:
         dist.barrier()
@@ -177,15 +172,8 @@ def quantize(
 def _write_hf(model: Transformer, args, tokenizer_path, out: Path, mode: QuantizationMode, w4a8: bool) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        write_compressed_tensors_folder(model, args, Path(tokenizer_path), tmp, w4a8=w4a8)
-        _commit(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write {out}: {e.strerror or e}; nothing was written") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _write_and_commit(tmp, out, lambda folder: write_compressed_tensors_folder(
+        model, args, Path(tokenizer_path), folder, w4a8=w4a8))
     print(f"wrote {out} ({mode.value}, compressed-tensors)")
 
 
@@ -203,6 +191,20 @@ def _targets_of(entries: dict) -> set[str]:
         elif name.startswith("output."):
             found.add("output")
     return found
+
+
+def _write_and_commit(tmp: Path, out: Path, write: Callable[[Path], None]) -> None:
+    """``write`` into the temporary folder, then ``_commit`` it; on any failure the folder goes and
+    nothing was written (an OSError becomes one CheckpointError sentence)."""
+    try:
+        write(tmp)
+        _commit(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write {out}: {e.strerror or e}; nothing was written") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _commit(tmp: Path, out: Path) -> None:
