@@ -142,6 +142,7 @@ def _declare(lib: ctypes.CDLL, kind: str) -> None:
     common = [
         ("llk_abi_version", [], ctypes.c_int),
         ("llk_gemv", [args], ctypes.c_int),
+        ("llk_gemv_bf16io", [args, vp, i64, i64, vp, i64, vp, i64], ctypes.c_int),
         ("llk_gemv_bf16", [vp, i64, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int], None),
         ("llk_quant_fp8_rows", [vp, i64, i64, i64, ctypes.c_float, vp, vp, i64, vp, ctypes.c_int], None),
         ("llk_quant_nvfp4_rows", [vp, i64, i64, i64, vp, vp, i64, ctypes.c_int], ctypes.c_int),

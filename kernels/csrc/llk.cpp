@@ -841,7 +841,7 @@ static void dequant_call(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, ui
 
 extern "C" {
 
-int llk_abi_version() { return 3; }
+int llk_abi_version() { return 4; }
 
 // 1 if AMX tiles are usable in this process (asks the kernel for the tile state once).
 int llk_amx_init() {
@@ -859,6 +859,12 @@ int llk_gemv(const LlkArgs* a) {
     if (!supported(a)) return -1;
     LLK_DISPATCH(gemv_impl, *a);
     return 0;
+}
+
+// llk_gemv for bf16 x in K order and bf16 results (see gemv_bf16_io): decode in one call.
+int llk_gemv_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x, int64_t ldx,
+                    uint16_t* out, int64_t ldo) {
+    return gemv_bf16_io(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv);
 }
 
 // Rows of one expert e with AMX: x is bf16 in tile order, `kp` (a multiple of 32) wide.

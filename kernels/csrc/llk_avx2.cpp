@@ -574,7 +574,7 @@ static int supported(const LlkArgs* a) {
 
 extern "C" {
 
-int llk_abi_version() { return 3; }
+int llk_abi_version() { return 4; }
 
 // K positions of one block of a row, in the order the kernels read x (and write tiles); returns
 // the block length (64 for 4-bit formats, 32 for fp8). `out` holds at least 64 entries.
@@ -585,6 +585,12 @@ int llk_gemv(const LlkArgs* a) {
     if (!supported(a)) return -1;
     LLK_DISPATCH(gemv_impl, *a);
     return 0;
+}
+
+// llk_gemv for bf16 x in K order and bf16 results (see gemv_bf16_io): decode in one call.
+int llk_gemv_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x, int64_t ldx,
+                    uint16_t* out, int64_t ldo) {
+    return gemv_bf16_io(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv);
 }
 
 // Weight rows [n0, n1) of expert e as fp32 in gemv order, group scales multiplied in (rows past N

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 enum WeightFormat { W_INT4 = 0, W_FP4 = 1, W_FP8 = 2 };
 enum ScaleFormat { S_NONE = 0, S_BF16 = 1, S_F32 = 2, S_E4M3 = 3 };
@@ -63,4 +64,43 @@ static inline uint16_t bf16_bits(float f) {  // exact for every value used in th
 static inline int threads_for(int64_t bytes, int nthreads) {
     const int64_t per_thread = 1 << 20;
     return (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, bytes / per_thread));
+}
+
+// ------------------------------------------------------------------------------------------
+// decode entry: bf16 activations in K order in, bf16 results out
+
+static inline float bf16_value(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t round_bf16(float f) {  // round to nearest even, as PyTorch's conversion
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (std::isnan(f)) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// `rows` bf16 rows of x (row stride ldx, K order) through `gemv` (a library's llk_gemv, which
+// reads fp32 activations in its own order): x is widened into that order by `perm` ([kp]; an
+// entry >= K is a zero pad), the GEMV writes fp32, and the results are rounded to bf16 into out
+// (row stride ldo). Every row must belong to an expert of a (row_start / row_end cover [0, rows)).
+// One call replaces the conversion, gather, GEMV and rounding the caller would otherwise make.
+template <class Gemv>
+static int gemv_bf16_io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x,
+                        int64_t ldx, uint16_t* out, int64_t ldo, Gemv gemv) {
+    thread_local std::vector<float> xf, of;
+    xf.resize((size_t)(rows * kp));
+    of.resize((size_t)(rows * a->N));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < kp; j++) xf[r * kp + j] = perm[j] < a->K ? bf16_value(x[r * ldx + perm[j]]) : 0.0f;
+    LlkArgs b = *a;
+    b.x = xf.data(), b.ldx = kp, b.out = of.data(), b.ldo = a->N;
+    const int rc = gemv(&b);
+    if (rc) return rc;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t n = 0; n < a->N; n++) out[r * ldo + n] = round_bf16(of[r * a->N + n]);
+    return 0;
 }

@@ -338,6 +338,37 @@ def test_nvfp4_k_not_a_multiple_of_32(isa):
                 check_linear(x, w, EXACT)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_entry_gives_the_general_paths_bits(fmt, lib_isa):
+    """One library call for decode (bf16 x in, bf16 out: cpu._decode_bf16) returns the bits of the
+    general path (PyTorch's widening and gather, the fp32 GEMV, PyTorch's rounding), for dense and
+    grouped weights, K not a multiple of the decode block, empty experts and the fused SwiGLU; it
+    declines where activations are quantized or an expert has more rows than the GEMV takes."""
+    takes = fmt in ("int4", "int4_g32_fp32", "nvfp4")
+    for k in (128, 640):
+        w = FORMATS[fmt](40, k, lead=(3,), seed=k)
+        w3 = FORMATS[fmt](40, k, lead=(3,), seed=k + 1)
+        f1, f3 = cpu._form(w), cpu._form(w3)
+        for counts in ([1, 0, 2], [0, 1, 0], [3, 5, 1]):
+            off = [0, counts[0], counts[0] + counts[1], sum(counts)]
+            x = torch.randn(off[-1], k, dtype=torch.bfloat16)
+            fast = cpu._decode_bf16(f1, x, off)
+            assert (fast is not None) == takes
+            if takes:
+                assert torch.equal(fast, cpu._run(f1, x, off).to(torch.bfloat16))
+                assert torch.equal(cpu._decode_bf16(f1, x, off, f3), cpu._run(f1, x, off, f3).to(torch.bfloat16))
+        # rows outside the experts, fp32 input, or more rows than the GEMV limit: the general path
+        x = torch.randn(4, k, dtype=torch.bfloat16)
+        assert cpu._decode_bf16(f1, x, [1, 2, 2, 3]) is None
+        assert cpu._decode_bf16(f1, x.float(), [0, 1, 2, 4]) is None
+        many = cpu.GEMV_MAX_ROWS[lib_isa][f1["wfmt"]] + 1
+        assert cpu._decode_bf16(f1, torch.randn(many, k, dtype=torch.bfloat16), [0, many, many, many]) is None
+    if takes:  # the dense entry point takes it too
+        wd = FORMATS[fmt](24, 640, seed=5)
+        x = torch.randn(2, 640, dtype=torch.bfloat16)
+        assert torch.equal(cpu.linear(x, wd), cpu._run(cpu._form(wd), x, [0, 2]).to(torch.bfloat16))
+
+
 # ---- bf16 weights (layers a mode leaves in bf16)
 
 
