@@ -376,6 +376,21 @@ def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(owner, attr, nn.Parameter(tensor, requires_grad=False))
 
 
+# Read one row per token, at random: a view into the memory-mapped checkpoint waits on a disk read
+# for a token whose page is not cached (20-60 ms a token measured for the bench preset's table
+# after loading had evicted it), so these are copied into memory at load.
+RANDOM_ACCESS = ("tok_embeddings.weight",)
+
+
+def loaded_tensor(name: str, t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+    """Checkpoint tensor ``t`` as parameter ``name``: in ``dtype`` on ``device``, contiguous, and
+    for RANDOM_ACCESS names never a view of the checkpoint file."""
+    out = t.to(device=device, dtype=dtype).contiguous()
+    if name in RANDOM_ACCESS and out.data_ptr() == t.data_ptr():
+        out = out.clone()
+    return out
+
+
 def load_weights(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16, device=None) -> nn.Module:
     """The default loader: every parameter lands once, in ``dtype`` on ``device``."""
     device = torch.device(device or "cpu")
@@ -402,8 +417,7 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype = 
                 f"tensor {name!r} has shape {tuple(t.shape)} in the checkpoint but the model expects "
                 f"{tuple(param.shape)} (params.json does not match the weights)"
             )
-        t = t.to(device=device, dtype=dtype)
-        set_tensor(model, name, t.contiguous())
+        set_tensor(model, name, loaded_tensor(name, t, device, dtype))
     return model
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 import kernels
 from kernels.formats import QuantizedWeight
-from llama_lite.checkpoint import Checkpoint, set_tensor
+from llama_lite.checkpoint import Checkpoint, loaded_tensor, set_tensor
 from llama_lite.errors import CheckpointError, ConfigError
 from llama_lite.model import ColumnParallelLinear, Experts, FeedForward, MoE, RowParallelLinear, Transformer
 
@@ -304,7 +304,7 @@ def convert_to_quantized_model(
                         f"tensor {name!r} has shape {tuple(t.shape)} in the checkpoint but the model expects "
                         f"{tuple(param.shape)} (params.json does not match the weights)"
                     )
-                set_tensor(model, name, t.to(device=device, dtype=dtype).contiguous())
+                set_tensor(model, name, loaded_tensor(name, t, device, dtype))
             if prepare and device.type == "cpu" and dtype == torch.bfloat16:
                 _bf16_layers_to_kernels(model, prefix)
             # The bf16 pages this layer was quantized from are not needed again: drop them from this

@@ -242,3 +242,34 @@ def test_writing_holds_a_few_layers_at_a_time(tmp_path, tiny_ckpt):
     sizes = json.loads(out.stdout.strip().splitlines()[-1])
     assert sizes["total"] > 400e6
     assert sizes["grew"] < sizes["total"] / 3, sizes
+
+
+def _file_mappings(directory: Path) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of files under ``directory``."""
+    root = str(directory.resolve())
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(root):
+            start, end = (int(v, 16) for v in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def _in_file(t: torch.Tensor, ranges) -> bool:
+    return any(a <= t.data_ptr() < b for a, b in ranges)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
+def test_the_embedding_table_is_not_a_view_of_the_checkpoint_file(tiny_llama, tiny_ckpt, dist1):
+    """Rows of the embedding table are read at random, one per token: a mapped page that is not
+    cached costs a disk read per new token, so both loaders copy the table into memory (the
+    other bf16 weights, read in order every step, may stay mapped)."""
+    import quantization
+
+    ranges = _file_mappings(tiny_ckpt)
+    model = tiny_llama.model
+    assert ranges and _in_file(model.output.weight, ranges)  # the check can see a mapped weight
+    assert not _in_file(model.tok_embeddings.weight, ranges)
+    q = quantization.build(tiny_ckpt, "int4_mixed", max_seq_len=64, max_batch_size=1, progress=False)
+    assert not _in_file(q.model.tok_embeddings.weight, _file_mappings(tiny_ckpt))
