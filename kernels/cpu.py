@@ -126,6 +126,8 @@ def _kernel_layout(w: Weight, path: str) -> Optional[tuple[int, int, int]]:
         return (W_FP8, S_NONE, 0) if w.weight.dtype == torch.float8_e4m3fn else None
     if isinstance(w, NVFP4Weight):
         return (W_FP4, S_E4M3, 16) if w.scales.dtype == torch.float8_e4m3fn and k % 16 == 0 else None
+    if isinstance(w, Int4Weight) and w.int8_activations and w.group_size % 64:
+        return None  # llk_gemv_q8 takes whole 64-value chunks per group
     if isinstance(w, (Int4Weight, W4A8Weight)):
         scales = w.scales if isinstance(w, Int4Weight) else w.group_scales
         sfmt = {torch.bfloat16: S_BF16, torch.float32: S_F32, torch.float16: S_F32, torch.float8_e4m3fn: S_E4M3}
@@ -180,6 +182,8 @@ def _llk_form(w: Weight, layout: tuple[int, int, int], path: str) -> dict:
     elif isinstance(w, NVFP4Weight) and w.input_global_scale is not None:
         form["act"] = "nvfp4"
         form["g_in"] = _per_expert(w.input_global_scale, e1)
+    elif isinstance(w, Int4Weight) and w.int8_activations:
+        form["act"] = "int8"
     else:
         form["act"] = None
     return form
@@ -424,6 +428,8 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
 
     With ``form3`` (W3 of a SwiGLU), the result is silu(x W1.T) * (x W3.T).
     """
+    if form["act"] == "int8":
+        return _run_int8(form, x, off, form3)
     path = form["path"]
     lib, lib_name = gemv_lib(path), ("avx2" if path == "avx2" else "avx512")
     e1, n, wfmt = form["e"], form["n"], form["wfmt"]
@@ -469,13 +475,41 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
     return out
 
 
+def _run_int8(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict]) -> torch.Tensor:
+    """``_run`` for int4 weights with int8 activations: experts with few rows through the AVX2
+    library's integer GEMV (llk_gemv_q8, on every x86 path: AVX-512 CPUs run it too), which
+    quantizes the activations itself; experts with many rows multiply the reference's dequantized
+    int8 activations (exact in fp32) through the path for unquantized activations."""
+    e1, t = form["e"], x.shape[0]
+    counts = [b - a for a, b in zip(off, off[1:])]
+    limit = GEMV_MAX_ROWS[form["path"]][W_INT4]
+    out = (torch.empty if off[0] == 0 and off[-1] == t else torch.zeros)(t, form["n"], dtype=torch.float32)
+    small = [0 < c <= limit for c in counts]
+    if any(small):
+        starts = _rows_array([off[i] if small[i] else 0 for i in range(e1)])
+        ends = _rows_array([off[i + 1] if small[i] else 0 for i in range(e1)])
+        xf = x.float().contiguous()
+        args = _args(form, xf, None, out, starts, ends, form3)
+        _check(library("avx2").llk_gemv_q8(ctypes.byref(args)), "llk_gemv_q8")
+    large = [i for i in range(e1) if counts[i] > limit]
+    if large:
+        plain = dict(form, act=None)
+        plain3 = dict(form3, act=None) if form3 is not None else None
+        for i in large:
+            rows = slice(off[i], off[i + 1])
+            xe = reference.fake_quantize_int8_activations(x[rows])
+            local = [0] * (i + 1) + [counts[i]] * (e1 - i)
+            out[rows] = _run(plain, xe, local, plain3)
+    return out
+
+
 # ---- PyTorch-only path
 
 
 def _row_slice(w: Weight, n0: int, n1: int) -> Weight:
     """Rows n0:n1 of a 2-D weight, same format (scales and per-row factors sliced alike)."""
     if isinstance(w, Int4Weight):
-        return Int4Weight(w.qweight[n0:n1], w.scales[n0:n1], w.group_size)
+        return Int4Weight(w.qweight[n0:n1], w.scales[n0:n1], w.group_size, w.int8_activations)
     if isinstance(w, Fp8Weight):
         return Fp8Weight(w.weight[n0:n1], w.scale[n0:n1], w.activation_scale_ub)
     if isinstance(w, W4A8Weight):
@@ -487,6 +521,8 @@ def _row_slice(w: Weight, n0: int, n1: int) -> Weight:
 def _torch_rows(form: dict, x: torch.Tensor, w: Weight, e: int, fp32_out: bool) -> torch.Tensor:
     """fp32 [rows, N] of x times one expert's 2-D weight ``w``, PyTorch only. ``fp32_out``: the
     caller uses the products unrounded (SwiGLU's W1 / W3), else it rounds them to x.dtype."""
+    if isinstance(w, Int4Weight) and w.int8_activations:
+        x = reference.fake_quantize_int8_activations(x)  # exact fp32 values; then as unquantized
     if "int4pack" in form and x.shape[0] <= INT4PACK_MAX_ROWS:
         packed, sz, sz16 = form["int4pack"][e]
         if x.dtype == torch.bfloat16 and not fp32_out and sz16 is not None:

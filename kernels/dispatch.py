@@ -85,6 +85,15 @@ def _select(x: torch.Tensor) -> tuple[ModuleType, str]:
     return reference, "reference"
 
 
+def _choose(x: torch.Tensor, w) -> tuple[ModuleType, str]:
+    """``_select``, except that the Triton kernels have no int8-activation form (a CPU option):
+    such weights take the reference on a GPU."""
+    module, path = _select(x)
+    if path == "triton" and getattr(w, "int8_activations", False):
+        return reference, "reference"
+    return module, path
+
+
 def _note(op: str, w, path: str) -> None:
     if path == "cpu":
         path = f"cpu/{cpu.isa()}"  # a new CPU cap (LLAMA_LITE_CPU_ISA, cpu.set_isa) logs again
@@ -122,7 +131,7 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., N] in x.dtype, for any weight format (or a plain tensor)."""
     if torch.compiler.is_compiling():  # an opaque operator in the graph (kernels.ops)
         return ops.linear(x, w)
-    module, path = _select(x)
+    module, path = _choose(x, w)
     _note("linear", w, path)
     return module.linear(x, w)
 
@@ -131,7 +140,7 @@ def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w) -> torch.Tensor:
     """Rows offsets[e]:offsets[e+1] of x [T, K] times expert e of w [E, N, K] -> [T, N]."""
     if torch.compiler.is_compiling():  # an opaque operator in the graph (kernels.ops)
         return ops.grouped_linear(x, offsets, w)
-    module, path = _select(x)
+    module, path = _choose(x, w)
     _note("grouped_linear", w, path)
     return module.grouped_linear(x, offsets, w)
 
@@ -140,7 +149,7 @@ def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1, w3, w2) -> torch.
     """Per expert: (silu(x W1.T) * (x W3.T)) W2.T on its rows -> [T, D]."""
     if torch.compiler.is_compiling():  # an opaque operator in the graph (kernels.ops)
         return ops.grouped_swiglu(x, offsets, w1, w3, w2)
-    module, path = _select(x)
+    module, path = _choose(x, w1)
     _note("grouped_swiglu", w1, path)
     return module.grouped_swiglu(x, offsets, w1, w3, w2)
 
@@ -149,7 +158,7 @@ def swiglu(x: torch.Tensor, w1, w3, w2) -> torch.Tensor:
     """Dense SwiGLU FFN (shared expert): (silu(x W1.T) * (x W3.T)) W2.T -> [..., D]."""
     if torch.compiler.is_compiling():  # an opaque operator in the graph (kernels.ops)
         return ops.swiglu(x, w1, w3, w2)
-    module, path = _select(x)
+    module, path = _choose(x, w1)
     _note("swiglu", w1, path)
     if hasattr(module, "swiglu"):
         return module.swiglu(x, w1, w3, w2)

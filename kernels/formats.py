@@ -71,11 +71,17 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Int4Weight:
-    """w4a16: symmetric int4, one scale per ``group_size`` elements along K; activations stay bf16."""
+    """w4a16: symmetric int4, one scale per ``group_size`` elements along K; activations stay bf16.
+
+    ``int8_activations``: an explicit, lossy option of the engine, not of the checkpoint: the
+    activations are quantized to int8 per 32 values along K (``reference.quantize_int8_blocks``)
+    before they meet the weights, for integer dot products on CPUs.
+    """
 
     qweight: torch.Tensor  # uint8 [..., N, K // 2]
     scales: torch.Tensor  # bf16 or fp32 [..., N, K // group_size]
     group_size: int = 128
+    int8_activations: bool = False
     prepared: dict = field(default_factory=dict, repr=False)
 
 
@@ -181,7 +187,7 @@ def select_expert(w: "QuantizedWeight | torch.Tensor", e: int) -> "QuantizedWeig
         return t if t is None or t.dim() == 0 else t[e]
 
     if isinstance(w, Int4Weight):
-        return Int4Weight(w.qweight[e], w.scales[e], w.group_size)
+        return Int4Weight(w.qweight[e], w.scales[e], w.group_size, w.int8_activations)
     if isinstance(w, Fp8Weight):
         return Fp8Weight(w.weight[e], w.scale[e], w.activation_scale_ub)
     if isinstance(w, W4A8Weight):

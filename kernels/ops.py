@@ -74,7 +74,10 @@ def _weight(tensors: list[torch.Tensor], spec: str):
         kwargs = dict(zip(names.split(","), tensors))
         for item in filter(None, scalars.split(",")):
             name, value = item.split("=", 1)
-            kwargs[name] = int(value) if value.lstrip("-").isdigit() else float(value)
+            if value in ("True", "False"):
+                kwargs[name] = value == "True"
+            else:
+                kwargs[name] = int(value) if value.lstrip("-").isdigit() else float(value)
         w = _KINDS[kind](**kwargs)
         _containers[key] = w
     return w

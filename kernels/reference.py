@@ -4,6 +4,8 @@ Numerics (all computed in fp32; the result is cast to ``x.dtype`` once, at the e
 
 * plain weight (bf16 ...): ``x @ W.T``.
 * int4 (w4a16), nvfp4 weights-only: ``x @ dequantize_weight(w).T``; activations used as given.
+* int4 with ``int8_activations``: per-32 int8 activations (``fake_quantize_int8_activations``),
+  ``out = x_deq @ W_deq.T``.
 * fp8 rowwise and w4a8: per-token dynamic fp8 activations (``quantize_fp8_per_token``),
   ``out = (xq @ W_deq.T) * s``.
 * nvfp4 with ``input_global_scale``: per-token, per-16 nvfp4 activations
@@ -50,6 +52,24 @@ def quantize_fp8_per_token(x: torch.Tensor, scale_ub: float | None) -> tuple[tor
     s = amax.clamp(min=1e-12) / FP8_MAX
     xq = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return xq, s
+
+
+INT8_BLOCK = 32
+
+
+def quantize_int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K % 32 == 0) -> (a int8 [..., K], s fp32 [..., K // 32]) with x ~ a * s per block
+    of 32 values: ``s = amax / 127``, ``a = round_half_even(x / s)`` (0 where s is 0), in fp32."""
+    xb = x.float().reshape(*x.shape[:-1], -1, INT8_BLOCK)
+    s = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    a = torch.where(s > 0, torch.round(xb / s), 0.0).clamp(-127, 127)
+    return a.to(torch.int8).reshape(x.shape), s.squeeze(-1)
+
+
+def fake_quantize_int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """fp32 a * s of ``quantize_int8_blocks(x)``: the values int4 weights with int8 activations multiply."""
+    a, s = quantize_int8_blocks(x)
+    return (a.float().reshape(*x.shape[:-1], -1, INT8_BLOCK) * s.unsqueeze(-1)).reshape(x.shape)
 
 
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
@@ -110,6 +130,8 @@ def _linear_fp32(x2: torch.Tensor, w: Weight) -> torch.Tensor:
         return (xq.float() @ wd.T) * s
     if isinstance(w, NVFP4Weight) and w.input_global_scale is not None:
         return fake_quantize_nvfp4_activations(x2, w.input_global_scale) @ wd.T
+    if isinstance(w, Int4Weight) and w.int8_activations:
+        return fake_quantize_int8_activations(x2) @ wd.T
     if isinstance(w, (Int4Weight, NVFP4Weight)):
         return x2.float() @ wd.T
     raise TypeError(f"not a weight: {type(w).__name__}")

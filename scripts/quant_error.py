@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from kernels.formats import dequantize_weight
+from kernels.reference import fake_quantize_int8_activations
 from quantization.formats import (
     dequantize_fp8_per_token,
     fake_quantize_nvfp4_activation,
@@ -58,6 +59,10 @@ def _same(x: torch.Tensor) -> torch.Tensor:
     return x.float()
 
 
+def _int8_acts(x: torch.Tensor) -> torch.Tensor:
+    return fake_quantize_int8_activations(x)  # quantization.build(..., int8_activations=True)
+
+
 def _nvfp4_acts(x: torch.Tensor) -> torch.Tensor:
     # static input global scale, calibrated on this layer's captured activations
     return fake_quantize_nvfp4_activation(x, compute_global_scale(x)).float()
@@ -65,6 +70,7 @@ def _nvfp4_acts(x: torch.Tensor) -> torch.Tensor:
 
 FORMATS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Acts]] = {
     "int4 g128 (w4a16)": (lambda w: dequantize_weight(quantize_int4(w)), _same),
+    "int4 g128, int8 activations per 32": (lambda w: dequantize_weight(quantize_int4(w)), _int8_acts),
     "fp8 rowwise (w8a8, per-token acts)": (lambda w: dequantize_weight(quantize_fp8_rowwise(w)), _fp8_acts),
     "w4a8 channel-scaled": (lambda w: dequantize_weight(w4a8_from_int4(quantize_int4(w))), _fp8_acts),
     "w4a8 naive fp8 cast": (lambda w: dequantize_weight(w4a8_naive_from_int4(quantize_int4(w))), _fp8_acts),

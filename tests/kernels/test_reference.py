@@ -201,3 +201,19 @@ def test_fp4_codes_round_trip_and_reject_off_grid_values():
     for bad in (0.25, 2.5, 5.0, 7.0, -12.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="e2m1 grid"):
             fp4_codes(torch.tensor([1.0, bad]))
+
+
+def test_int8_block_quantization():
+    """Per 32 values: s = amax / 127, a = round(x / s) in [-127, 127], 0 for an all-zero block;
+    a * s is within s / 2 of x, and the block's largest magnitude maps to +-127."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 96, generator=g) * torch.tensor([1e-3, 1.0, 300.0]).unsqueeze(1)
+    x[1, 32:64] = 0.0
+    a, s = R.quantize_int8_blocks(x)
+    assert a.dtype == torch.int8 and a.shape == x.shape and s.shape == (3, 3)
+    assert torch.equal(s, x.abs().reshape(3, 3, 32).amax(-1) / 127)
+    assert int(a.abs().max()) == 127 and bool((a[1, 32:64] == 0).all()) and s[1, 1] == 0
+    blocks = a.reshape(3, 3, 32)
+    assert bool((blocks.abs().amax(-1)[s > 0] == 127).all())
+    deq = R.fake_quantize_int8_activations(x)
+    assert bool(((deq - x).abs() <= s.repeat_interleave(32, -1) / 2 * (1 + 1e-6)).all())
