@@ -391,12 +391,12 @@ def _tile_expert(form: dict, xe: torch.Tensor, e: int, tok: Optional[torch.Tenso
 def _decode_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = None) -> Optional[torch.Tensor]:
     """What ``_run(...).to(torch.bfloat16)`` returns, in one library call, or None where it does not apply.
 
-    Decode's case: bf16 x, weights whose activations are not quantized, every row in an expert
-    that takes the GEMV. The library widens x into its order and rounds the fp32 results to bf16
+    Decode's case: bf16 x, weights whose activations are not quantized (or int8, which the
+    library quantizes itself), every row in an expert that takes the GEMV. The library widens x into its order and rounds the fp32 results to bf16
     itself (the same operations as the general path, so the same bits), which saves the four
     PyTorch ops and most of the Python a call otherwise costs (~50 us of ~60 at one row).
     """
-    if x.dtype != torch.bfloat16 or form["act"] is not None or off[0] != 0 or off[-1] != x.shape[0]:
+    if x.dtype != torch.bfloat16 or form["act"] not in (None, "int8") or off[0] != 0 or off[-1] != x.shape[0]:
         return None
     limit = GEMV_MAX_ROWS[form["path"]][form["wfmt"]]
     if any(b - a > limit for a, b in zip(off, off[1:])) or x.stride(-1) != 1:
@@ -405,12 +405,15 @@ def _decode_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[di
     plan = form.get(key)
     if plan is None or (form3 is not None and plan[0] is not form3):
         lib_name = "avx2" if form["path"] == "avx2" else "avx512"
-        perm = _perm(lib_name, "gemv", form["wfmt"], form["k"])
-        if lib_name == "avx2" and form["wfmt"] == W_FP8:
-            perm = torch.arange(-(-form["k"] // 32) * 32)  # fp8 decodes in K order
+        if form["act"] == "int8":  # the AVX2 library's integer GEMV on every path; it reads K order
+            perm, fn = torch.arange(form["k"]), library("avx2").llk_gemv_q8_bf16io
+        else:
+            perm, fn = _perm(lib_name, "gemv", form["wfmt"], form["k"]), gemv_lib(form["path"]).llk_gemv_bf16io
+            if lib_name == "avx2" and form["wfmt"] == W_FP8:
+                perm = torch.arange(-(-form["k"] // 32) * 32)  # fp8 decodes in K order
         perm = perm.to(torch.int32).contiguous()
         template = _args(form, perm, None, None, None, None, form3)
-        plan = form[key] = (form3, gemv_lib(form["path"]).llk_gemv_bf16io, bytes(template), perm)
+        plan = form[key] = (form3, fn, bytes(template), perm)
     _, fn, template, perm = plan
     a = LlkArgs.from_buffer_copy(template)
     a.nthreads = torch.get_num_threads()

@@ -719,6 +719,12 @@ int llk_gemv_q8(const LlkArgs* a) {
     return 0;
 }
 
+// llk_gemv_q8 for bf16 x and bf16 results (gemv_bf16_io with perm = 0..K-1).
+int llk_gemv_q8_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x,
+                       int64_t ldx, uint16_t* out, int64_t ldo) {
+    return gemv_bf16_io(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv_q8);
+}
+
 // llk_gemv for bf16 x in K order and bf16 results (see gemv_bf16_io): decode in one call.
 int llk_gemv_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x, int64_t ldx,
                     uint16_t* out, int64_t ldo) {

@@ -348,8 +348,8 @@ def test_decode_entry_gives_the_general_paths_bits(fmt, lib_isa):
     """One library call for decode (bf16 x in, bf16 out: cpu._decode_bf16) returns the bits of the
     general path (PyTorch's widening and gather, the fp32 GEMV, PyTorch's rounding), for dense and
     grouped weights, K not a multiple of the decode block, empty experts and the fused SwiGLU; it
-    declines where activations are quantized or an expert has more rows than the GEMV takes."""
-    takes = fmt in ("int4", "int4_g32_fp32", "nvfp4")
+    declines where activations are quantized to fp8 or nvfp4 or an expert has more rows than the GEMV takes."""
+    takes = fmt in ("int4", "int4_g32_fp32", "nvfp4", "int4_a8")
     for k in (128, 640):
         w = FORMATS[fmt](40, k, lead=(3,), seed=k)
         w3 = FORMATS[fmt](40, k, lead=(3,), seed=k + 1)
