@@ -26,7 +26,7 @@ from scripts.common import FlagError
 
 # llama.cpp's formats, each with the llama-lite mode it is compared with.
 FORMATS = ("bf16", "Q8_0", "Q4_0")
-PAIRS = (("bf16", "bf16"), ("int4_mixed", "Q8_0"), ("int4_all", "Q4_0"))
+PAIRS = (("bf16", "bf16"), ("int4_mixed", "Q8_0"), ("int4_all", "Q4_0"), ("int4_mixed_a8", "Q8_0"), ("int4_all_a8", "Q4_0"))
 ENGINE = "llama.cpp"
 
 

@@ -26,7 +26,7 @@ What is measured, per engine / mode:
 * llama.cpp (--llama_cpp BUILD_DIR, see scripts/bench_llama_cpp.py): the Hugging Face export converted
   once to GGUF bf16, Q8_0 and Q4_0, each run by llama-bench with the same threads, decode length
   (``-n``) and prefill length (``-p``); a second table gives llama-lite bf16 / llama.cpp bf16,
-  int4_mixed / Q8_0 and int4_all / Q4_0. Without the flag there are no llama.cpp rows.
+  int4_mixed / Q8_0 and int4_all / Q4_0 (and the _a8 modes against the same). Without the flag there are no llama.cpp rows.
 
 Output: a markdown table on stdout, --out (JSON) and --plot (PNG bar chart, needs matplotlib:
 ``pip install -e ".[bench]"``; skipped with a note without it).
@@ -52,7 +52,10 @@ from scripts import bench_llama_cpp
 from scripts.common import FlagError, run_cli, text_flag
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("bf16", "int4_mixed", "fp8_mixed", "w4a8", "nvfp4", "int4_all")
+MODES = ("bf16", "int4_mixed", "fp8_mixed", "w4a8", "nvfp4", "int4_all", "int4_mixed_a8", "int4_all_a8")
+# benchmark mode -> (quantization mode, targets, int8 activations)
+BUILDS = {"bf16": ("none", None, False), "int4_all": ("int4_mixed", "all", False),
+          "int4_mixed_a8": ("int4_mixed", None, True), "int4_all_a8": ("int4_mixed", "all", True)}
 PEERS = ("llama-models", "transformers")
 GiB = 1024**3
 
@@ -283,8 +286,9 @@ def _build_llama_lite(spec: dict):
     import quantization
 
     build_kwargs = dict(max_seq_len=spec["max_seq_len"], max_batch_size=spec["batch"], compile=spec["compile"])
-    mode, targets = {"bf16": ("none", None), "int4_all": ("int4_mixed", "all")}.get(spec["mode"], (spec["mode"], None))
-    return quantization.build(spec["checkpoint"], mode, targets=targets, progress=False, **build_kwargs)
+    mode, targets, int8 = BUILDS.get(spec["mode"], (spec["mode"], None, False))
+    return quantization.build(spec["checkpoint"], mode, targets=targets, int8_activations=int8, progress=False,
+                              **build_kwargs)
 
 
 def run_llama_lite(spec: dict) -> dict:
@@ -600,7 +604,7 @@ def check_targets(results: list[dict], preset: str) -> list[dict]:
     for mode, r in lite.items():
         if mode == "bf16":
             continue
-        if mode != "int4_all":  # int4_all reads so few bytes that fixed per-token work dominates; its % is in the table
+        if mode not in ("int4_all", "int4_all_a8"):  # int4_all reads so few bytes that fixed per-token work dominates; its % is in the table
             target(f"{mode} decode % of roofline", r.get("roofline_pct"), 60 if mode == "int4_mixed" else 50, "%")
         if bf16:  # per GB/s of streaming read (see normalized_vs); the raw ratio is in the table
             target(f"{mode} decode vs bf16, per GB/s", normalized_vs(r, bf16), 1.0, "x")
@@ -706,7 +710,8 @@ def main(
     Args:
         preset: Synthetic checkpoint preset to write and use when no --checkpoint is given (default bench; tiny with --quick).
         checkpoint: A bf16 checkpoint folder (Meta or Hugging Face layout) to use instead.
-        modes: Comma-separated: bf16, int4_mixed, fp8_mixed, w4a8, nvfp4, int4_all (int4 of attention, experts, shared expert and output).
+        modes: Comma-separated: bf16, int4_mixed, fp8_mixed, w4a8, nvfp4, int4_all (int4 of attention, experts, shared expert and output),
+            int4_mixed_a8 and int4_all_a8 (the same with int8 activations: quantization.build(int8_activations=True)).
         peers: Also run llama-models' reference and transformers' Llama4ForCausalLM (bf16 decode at batch 1).
         quick: Tiny preset, a few tokens: a smoke test that takes seconds.
         out: Where to write the results as JSON.
