@@ -23,6 +23,11 @@ reads fp8 / w4a8 / nvfp4 weights at memory speed (``torch._scaled_mm`` on CPU ta
 4096 x 4096 GEMV); its bf16 ``torch.mv`` reads at ~10 GB/s on AMD EPYC where a plain streaming read
 gets ~50, so bf16 layers (attention, output, mode none) use the libraries' bf16 GEMV too.
 
+int4 weights with ``int8_activations`` (an explicit option, kernels/formats.py): a few rows per
+expert through the AVX2 library's integer GEMV (``llk_gemv_q8``, on every x86 path), which
+quantizes the activations per 32 values exactly as the reference does; more rows multiply the
+reference's dequantized int8 activations (exact fp32 values) through the paths above.
+
 Numerics, on every path (vs kernels/reference.py): products are exact or rounded once in fp32
 (q * s as the reference, or exact weight values times the activations) and sums are fp32, so
 results differ from the reference by fp32 summation order only. Activation quantization (fp8 per
@@ -392,9 +397,9 @@ def _decode_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[di
     """What ``_run(...).to(torch.bfloat16)`` returns, in one library call, or None where it does not apply.
 
     Decode's case: bf16 x, weights whose activations are not quantized (or int8, which the
-    library quantizes itself), every row in an expert that takes the GEMV. The library widens x into its order and rounds the fp32 results to bf16
-    itself (the same operations as the general path, so the same bits), which saves the four
-    PyTorch ops and most of the Python a call otherwise costs (~50 us of ~60 at one row).
+    library quantizes itself), every row in an expert that takes the GEMV. The library widens x
+    into its order and rounds the fp32 results to bf16 itself (the same operations as the general
+    path, so the same bits), which saves four PyTorch ops and ~25 us of Python per call.
     """
     if x.dtype != torch.bfloat16 or form["act"] not in (None, "int8") or off[0] != 0 or off[-1] != x.shape[0]:
         return None

@@ -215,28 +215,32 @@ def test_int4_load_never_holds_the_bf16_model(ckpt_root):
     """Peak anonymous memory while converting the small preset stays far below its bf16 size.
 
     The bf16 files are memory-mapped (page cache, not copies); what the process allocates is the
-    int4 experts, the bf16 parts that must be copied, and one layer in flight."""
+    int4 experts, the bf16 parts that must be copied (the embedding table, read at random rows:
+    llama_lite.checkpoint.RANDOM_ACCESS), and one layer in flight."""
     ckpt = make_checkpoint(ckpt_root, "small", preset="small", mp=1, seed=0)
     state = torch.load(ckpt / "consolidated.00.pth", mmap=True, weights_only=True)
     bf16_bytes = sum(t.numel() * 2 for t in state.values())
     n_layers = json.loads((ckpt / "params.json").read_text())["n_layers"]
     expert_bytes_per_layer = sum(t.numel() * 2 for k, t in state.items() if "experts" in k or "shared" in k) / n_layers
+    table_bytes = state["tok_embeddings.weight"].numel() * 2
     del state
     proc = subprocess.run([sys.executable, "-c", MEMORY_PROBE.format(root=str(ROOT), ckpt=str(ckpt))],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     grown = m["peak"] - m["base"]
-    assert grown < 0.5 * bf16_bytes, (grown, bf16_bytes)
+    assert grown < 0.5 * bf16_bytes + table_bytes, (grown, table_bytes, bf16_bytes)
     # Nothing beyond the loaded model (int4 + its bf16 parts) and a few layers in flight.
     assert grown <= m["stored"] + 32 * 2**20, (grown, m["stored"])
     # All resident pages, the memory-mapped bf16 files' included: the loader drops each layer's
     # bf16 pages once quantized, so file pages beyond the anonymous peak stay within about one
     # layer's experts (without the release they grow to every layer's), and the whole peak
-    # within 1.25x of the weights and KV cache.
+    # within 1.25x of the weights and KV cache. Plus, in both, the embedding table's pages: it is
+    # read once through its mapping to be copied, so for that moment its pages and its copy are
+    # both resident (on this preset the table is 40% of the model; on Scout 2 GB of ~60 in int4).
     file_pages = m["rss_grew"] - grown
-    assert file_pages <= 2 * expert_bytes_per_layer + 8 * 2**20, (file_pages, expert_bytes_per_layer)
-    assert m["rss_grew"] <= 1.25 * (m["stored"] + m["kv"]), (m["rss_grew"], m["stored"], m["kv"])
+    assert file_pages <= 2 * expert_bytes_per_layer + table_bytes + 8 * 2**20, (file_pages, expert_bytes_per_layer)
+    assert m["rss_grew"] <= 1.25 * (m["stored"] + m["kv"]) + table_bytes, (m["rss_grew"], m["stored"], m["kv"])
 
 
 def llama_models_layout(src, dst, mp: int):
