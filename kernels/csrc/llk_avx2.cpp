@@ -641,7 +641,7 @@ static void q8_tile(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, int64_t
     }
 }
 
-template <int WF, int SF>
+template <int SF>
 static void q8_impl(const LlkArgs& a) {
     const Tables& t = tables();
     int64_t first = INT64_MAX, last = 0;
@@ -713,9 +713,9 @@ int llk_gemv(const LlkArgs* a) {
 // (see q8_impl); x is fp32 in K order, rows [row_start, row_end) of each expert.
 int llk_gemv_q8(const LlkArgs* a) {
     if (a->wfmt != W_INT4 || a->sfmt == S_NONE || a->gs <= 0 || a->gs % 64 || a->K % a->gs) return -1;
-    if (a->sfmt == S_BF16) q8_impl<W_INT4, S_BF16>(*a);
-    else if (a->sfmt == S_F32) q8_impl<W_INT4, S_F32>(*a);
-    else q8_impl<W_INT4, S_E4M3>(*a);
+    if (a->sfmt == S_BF16) q8_impl<S_BF16>(*a);
+    else if (a->sfmt == S_F32) q8_impl<S_F32>(*a);
+    else q8_impl<S_E4M3>(*a);
     return 0;
 }
 
