@@ -476,20 +476,6 @@ static void quant_nvfp4_rows(const float* x, int64_t rows, int64_t K, int64_t ld
 // a shift or a mask, so a core decodes far faster than memory delivers. x is converted once per
 // call into fp32 in the same even / odd order per 16 values.
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 template <int MR>
 static void bf16_tile(const uint16_t* w, int64_t ldw, int64_t n0, int64_t n1, int64_t K, const float* xf,
                       int64_t ldxf, const uint16_t* x, int64_t ldx, uint16_t* out, int64_t ldo) {
@@ -513,8 +499,8 @@ static void bf16_tile(const uint16_t* w, int64_t ldw, int64_t n0, int64_t n1, in
         float res[MR];
         acc.sum(res);
         for (int m = 0; m < MR; m++) {
-            for (int64_t kk = kv; kk < K; kk++) res[m] += bf16_to_f32(wr[kk]) * bf16_to_f32(x[m * ldx + kk]);
-            out[m * ldo + n] = f32_to_bf16(res[m]);
+            for (int64_t kk = kv; kk < K; kk++) res[m] += bf16_value(wr[kk]) * bf16_value(x[m * ldx + kk]);
+            out[m * ldo + n] = round_bf16(res[m]);
         }
     }
 }
@@ -527,8 +513,8 @@ static void gemv_bf16(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, cons
     for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < kv; k += 16)
             for (int i = 0; i < 8; i++) {
-                xf[m * kv + k + i] = bf16_to_f32(x[m * ldx + k + 2 * i]);
-                xf[m * kv + k + 8 + i] = bf16_to_f32(x[m * ldx + k + 2 * i + 1]);
+                xf[m * kv + k + i] = bf16_value(x[m * ldx + k + 2 * i]);
+                xf[m * kv + k + 8 + i] = bf16_value(x[m * ldx + k + 2 * i + 1]);
             }
     const int64_t tile = 16, n_items = (N + tile - 1) / tile;
     const int nt = threads_for(N * K * 2, nthreads);
