@@ -4,9 +4,11 @@
 
 Weights are ``kernels.formats`` containers (``Int4Weight``, ``Fp8Weight``, ``W4A8Weight``,
 ``NVFP4Weight``) or plain tensors. ``kernels.reference`` defines the numerics; ``kernels.cpu`` and
-``kernels.triton_kernels`` are the fast paths, chosen by ``kernels.dispatch``.
+``kernels.triton_kernels`` are the fast paths, chosen by ``kernels.dispatch``. ``decode_attention``
+(``kernels.attention``) is a decode step's attention over a KV cache.
 """
 
+from .attention import decode_attention
 from .dispatch import BACKENDS, get_backend, grouped_linear, grouped_swiglu, linear, prepare, set_backend, swiglu
 from .formats import (
     Fp8Weight,
@@ -26,7 +28,7 @@ from .formats import (
 
 __all__ = [
     "BACKENDS", "get_backend", "set_backend", "prepare",
-    "linear", "grouped_linear", "grouped_swiglu", "swiglu",
+    "linear", "grouped_linear", "grouped_swiglu", "swiglu", "decode_attention",
     "Int4Weight", "Fp8Weight", "W4A8Weight", "NVFP4Weight", "QuantizedWeight",
     "dequantize_weight", "format_name", "weight_shape", "select_expert",
     "pack_int4", "unpack_int4", "pack_fp4", "unpack_fp4",

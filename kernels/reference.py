@@ -203,3 +203,16 @@ def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1: Weight, w3: Weigh
 
 def prepare(w: Weight, device=None) -> None:
     """The reference path needs no prepared form."""
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per row over a KV cache, in fp32: q [B, 1, H, D], keys / values [B, n, Hkv, D],
+    mask [B, 1, 1, n] (True = may attend); query head h reads KV head h // (H / Hkv), scale
+    1 / sqrt(D). Rows with no slot to attend to give zeros. Returns [B, 1, H, D] in q's dtype."""
+    g = q.shape[2] // keys.shape[2]
+    k = keys.float().repeat_interleave(g, dim=2)  # [B, n, H, D]
+    v = values.float().repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bnhd->bhqn", q.float(), k) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqn,bnhd->bqhd", p, v).to(q.dtype)

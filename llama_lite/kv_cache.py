@@ -132,31 +132,50 @@ def _write_one(store: _Store, k: torch.Tensor, v: torch.Tensor, pos_b1: torch.Te
     return n, mask.view(bsz, 1, 1, n)
 
 
-def decode_attention(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk: int, ring: bool):
+def attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, 1, H, D] over keys / values [B, n, Hkv, D] where mask [B, 1, 1, n] allows: [B, 1, H, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
+# Implementations of a decode step's attention over the cache (``attend_sdpa``'s arguments and
+# result), by number: a loader may add a faster one for its device and point layers at it
+# (``Attention.attend_impl``). A number, not a function, because it passes through a custom op.
+_ATTEND: list = [attend_sdpa]
+
+
+def register_attention(fn) -> int:
+    """The number by which ``Attention.attend_impl`` selects ``fn`` (the same number for the same fn)."""
+    if fn not in _ATTEND:
+        _ATTEND.append(fn)
+    return _ATTEND.index(fn)
+
+
+def decode_attention(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk: int, ring: bool, impl: int = 0):
     """``decode_attention_op`` while torch.compile traces, its function directly otherwise."""
     fn = decode_attention_op if torch.compiler.is_compiling() else decode_attention_eager
-    return fn(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk, ring)
+    return fn(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk, ring, impl)
 
 
 def decode_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                            cache_v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                           positions: torch.Tensor, chunk: int, ring: bool) -> torch.Tensor:
+                           positions: torch.Tensor, chunk: int, ring: bool, impl: int = 0) -> torch.Tensor:
     """One decode step of one attention layer: q [B, 1, H, D], k / v [B, 1, Hkv, D] at ``positions`` [B].
 
     Writes k / v into the cache (slot p % chunk of a ring, else slot p), then attends over the
     filled part: a ring's slots up to the furthest row's, a prefix cache's positions up to the
     furthest row's, masked per row (causal, and within the query's chunk when ``chunk`` > 0 on a
     prefix cache). Returns [B, 1, H, D]. An operator of its own: on a CPU the attended length
-    depends on the positions, so a compiled decode step keeps fixed shapes around it.
+    depends on the positions, so a compiled decode step keeps fixed shapes around it. ``impl``:
+    which implementation attends (``register_attention``; 0 is PyTorch's SDPA).
     """
     store = _Store.of(cache_k, cache_v, k_scale, v_scale)
     bsz = q.shape[0]
     # On a GPU every slot, masked: no host sync, so a CUDA graph can hold the step.
     n, mask = _write_one(store, k, v, positions.view(bsz, 1), chunk, ring, every_slot=q.is_cuda)
     keys, values = store.read(bsz, n, q.dtype)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask, enable_gqa=True)
-    return out.transpose(1, 2).contiguous()
+    return _ATTEND[impl](q, keys, values, mask)
 
 
 decode_attention_op = torch.library.custom_op(
@@ -164,7 +183,7 @@ decode_attention_op = torch.library.custom_op(
 
 
 @decode_attention_op.register_fake
-def _(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk, ring):
+def _(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk, ring, impl=0):
     return torch.empty_like(q)
 
 
@@ -198,9 +217,9 @@ class PrefixCache:
             step.masks[key] = mask.unsqueeze(1)
         return keys, values, step.masks[key]
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, impl: int = 0) -> torch.Tensor:
         """Attention output [B, 1, H, D] of one new token per row at ``positions`` [B] (see ``decode_attention``)."""
-        return decode_attention(q, k, v, *self.store.tensors(), positions, self.chunk or 0, False)
+        return decode_attention(q, k, v, *self.store.tensors(), positions, self.chunk or 0, False, impl)
 
 
 class RingCache:
@@ -213,9 +232,9 @@ class RingCache:
         self.chunk = chunk
         self.store = _Store(batch, min(chunk, max_seq_len), heads, head_dim, dtype, device)
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, impl: int = 0) -> torch.Tensor:
         """Attention output [B, 1, H, D] of one new token per row at ``positions`` [B] (see ``decode_attention``)."""
-        return decode_attention(q, k, v, *self.store.tensors(), positions, self.chunk, True)
+        return decode_attention(q, k, v, *self.store.tensors(), positions, self.chunk, True, impl)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step):
         bsz, seqlen = k.shape[:2]

@@ -152,6 +152,7 @@ class Attention(nn.Module):
         self.wo = RowParallelLinear(args.n_heads * hd, args.dim, bias=False, input_is_parallel=True, init_method=_keep)
         self.chunk = args.attention_chunk_size if use_rope else None
         self.cache = None  # a kv_cache.RingCache (chunked layers) or PrefixCache
+        self.attend_impl = 0  # the decode step's attention over the cache (kv_cache.register_attention); 0: SDPA
 
     @property
     def cache_k(self) -> Optional[torch.Tensor]:
@@ -183,7 +184,7 @@ class Attention(nn.Module):
             q = (q * scale[:, :, None, None]).type_as(k)
 
         if step is None:
-            out = self.cache.decode(q, k, v, positions_bs[:, 0])
+            out = self.cache.decode(q, k, v, positions_bs[:, 0], self.attend_impl)
             return self.wo(out.reshape(bsz, seqlen, -1))
         # Each row writes its own positions, so rows of different lengths share one cache.
         keys, values, mask_b1sl = self.cache.update(k, v, step)
