@@ -2,10 +2,13 @@
 against the full max_seq_len cache on every layer and against transformers; fp8 storage; what the
 cache costs in memory; conversations that continue from the cache."""
 
+import json
+
 import pytest
 import torch
 
-from helpers import make_checkpoint
+from helpers import make_checkpoint, run_ranks
+from llama_lite.args import args_from_params
 from llama_lite.generation import Llama4
 from llama_lite.kv_cache import FP8, PrefixCache, RingCache, Step, kv_cache_bytes
 
@@ -150,31 +153,46 @@ def test_fp8_cache_logits_error_and_size(tiny_ckpt, pair, dist1):
     assert fp8.model.kv_cache_bytes() == fp8.kv_cache_bytes == bf16_bytes * 36 // 64
 
 
-def vm_rss() -> int:
+_RSS_PROBE = """
+import json, sys, torch
+from llama_lite.distributed import init_distributed
+from llama_lite.generation import Llama4
+
+def vm_rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
+init_distributed(1, "cpu")
+llama = Llama4.build(sys.argv[1], max_seq_len=int(sys.argv[2]), max_batch_size=int(sys.argv[3]))
+measured, kept = {"kv_cache_bytes": llama.kv_cache_bytes}, []
+for layout in ("by_kind", "full"):
+    # Earlier caches stay alive, so each allocation is fresh memory (not pages freed a moment ago).
+    kept.append([layer.attention.cache for layer in llama.model.layers])
+    before = vm_rss()
+    llama.model.setup_caches(torch.bfloat16, "cpu", layout)
+    measured[layout] = vm_rss() - before
+print(json.dumps(measured))
+"""
 
-def test_kv_cache_resident_memory_follows_the_formula(ckpt_root, dist1):
+
+def test_kv_cache_resident_memory_follows_the_formula(ckpt_root):
     """max_seq_len = 64 chunks: the resident memory the caches add is at most 1.2x (global layers x
-    max_seq_len + chunked layers x chunk); the full layout, measured the same way, is about 2x that."""
+    max_seq_len + chunked layers x chunk); the full layout, measured the same way, is about 2x that.
+    Measured in a process of its own: in the test process, memory that earlier tests freed is
+    reused without growing the resident set."""
     chunk, seq_len, batch = 256, 64 * 256, 8
     path = make_checkpoint(ckpt_root, "tiny-chunk256", preset="tiny", seed=0,
                            overrides=dict(attention_chunk_size=chunk))
-    llama = build(path, max_seq_len=seq_len, max_batch_size=batch)
-    args, model = llama.args, llama.model
+    args = args_from_params(json.loads((path / "params.json").read_text()), max_seq_len=seq_len, max_batch_size=batch)
     per_position = 2 * args.n_kv_heads * args.head_dim * 2  # K and V, bf16
     n_global = sum(args.is_nope_layer(i) for i in range(args.n_layers))
     formula = batch * per_position * (n_global * seq_len + (args.n_layers - n_global) * chunk)
-    assert llama.kv_cache_bytes == kv_cache_bytes(args, seq_len, batch, torch.bfloat16) == formula
+    assert kv_cache_bytes(args, seq_len, batch, torch.bfloat16) == formula
 
-    measured, kept = {}, []
-    for layout in ("by_kind", "full"):
-        # Earlier caches stay alive, so each allocation is fresh memory (not pages freed a moment ago).
-        kept.append([layer.attention.cache for layer in model.layers])
-        before = vm_rss()
-        model.setup_caches(torch.bfloat16, "cpu", layout)
-        measured[layout] = vm_rss() - before
+    proc = run_ranks(1, ["-c", _RSS_PROBE, str(path), str(seq_len), str(batch)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert measured["kv_cache_bytes"] == formula
     assert 0.8 * formula <= measured["by_kind"] <= 1.2 * formula
     assert measured["full"] >= 1.8 * formula  # the layout every layer had before: max_seq_len everywhere
 
