@@ -11,7 +11,7 @@ the kernel does not apply (other devices or dtypes, D not a multiple of 8, no li
 as the core computes it.
 
 Why a kernel: PyTorch's CPU SDPA on bf16 takes 10-25x as long as reading the cache on a CPU
-without AVX-512 BF16 (an AMD EPYC: 0.2 ms per layer at 40 cached tokens, 42 ms at 8192), which
+without AVX-512 BF16 (an AMD EPYC: 0.2 ms per layer at 40 cached tokens, 44 ms at 8192), which
 at a long context outweighs every weight the step reads.
 """
 
