@@ -710,9 +710,71 @@ static inline void prefetch_row(const uint16_t* p, int64_t D) {
     for (int64_t i = 0; i < D; i += 32) _mm_prefetch((const char*)(p + i), _MM_HINT_T0);
 }
 
+// Scores of GN queries (qf: fp32 [GN, D]) against every slot: s[g * n + j] (-inf where masked).
+// Two accumulators per query (even / odd chunks of D) halve the FMA latency chain; GN is a
+// template parameter so that the accumulators stay in registers.
+template <int GN>
+static void scores(const AttnArgs& a, const uint16_t* kb, const uint8_t* mask, const float* qf, float* s) {
+    const int64_t n = a.n, D = a.D, nc = D / 8;
+    for (int64_t j = 0; j < n; j++) {
+        if (j + kAhead < n) prefetch_row(kb + (j + kAhead) * a.k_sj, D);
+        if (!mask[j]) {
+            for (int g = 0; g < GN; g++) s[g * n + j] = -INFINITY;
+            continue;
+        }
+        __m256 acc[GN][2];
+        for (int g = 0; g < GN; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+        const uint16_t* kr = kb + j * a.k_sj;
+        int64_t c = 0;
+        for (; c + 1 < nc; c += 2) {
+            const __m256 k0 = bf16x8(kr + 8 * c), k1 = bf16x8(kr + 8 * c + 8);
+            for (int g = 0; g < GN; g++) {
+                acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + 8 * c), k0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + 8 * c + 8), k1, acc[g][1]);
+            }
+        }
+        if (c < nc) {
+            const __m256 k0 = bf16x8(kr + 8 * c);
+            for (int g = 0; g < GN; g++) acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + 8 * c), k0, acc[g][0]);
+        }
+        for (int g = 0; g < GN; g++) s[g * n + j] = hsum(_mm256_add_ps(acc[g][0], acc[g][1])) * a.scale;
+    }
+}
+
+// out[g] += sum over slots [j0, j1) of p[g * n + j] v_j for GN queries, 16 values of D at a time
+// (accumulators in registers); the first group prefetches the next block's value rows.
+template <int GN>
+static void weighted(const AttnArgs& a, const uint16_t* vb, const uint8_t* mask, const float* p, int64_t j0,
+                     int64_t j1, bool first, float* out) {
+    const int64_t n = a.n, D = a.D, nc = D / 8;
+    for (int64_t c = 0; c < nc; c += 2) {
+        const bool two = c + 1 < nc;
+        __m256 acc[GN][2];
+        for (int g = 0; g < GN; g++) {
+            acc[g][0] = _mm256_loadu_ps(out + g * D + 8 * c);
+            acc[g][1] = two ? _mm256_loadu_ps(out + g * D + 8 * c + 8) : _mm256_setzero_ps();
+        }
+        for (int64_t j = j0; j < j1; j++) {
+            if (first && c == 0 && j + 64 < n) prefetch_row(vb + (j + 64) * a.v_sj, D);  // the next block
+            if (!mask[j]) continue;
+            const uint16_t* vr = vb + j * a.v_sj + 8 * c;
+            const __m256 v0 = bf16x8(vr), v1 = two ? bf16x8(vr + 8) : _mm256_setzero_ps();
+            for (int g = 0; g < GN; g++) {
+                const __m256 pg = _mm256_set1_ps(p[g * n + j]);
+                acc[g][0] = _mm256_fmadd_ps(pg, v0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(pg, v1, acc[g][1]);
+            }
+        }
+        for (int g = 0; g < GN; g++) {
+            _mm256_storeu_ps(out + g * D + 8 * c, acc[g][0]);
+            if (two) _mm256_storeu_ps(out + g * D + 8 * c + 8, acc[g][1]);
+        }
+    }
+}
+
 // Work item (b, hk): queries h = hk G .. hk G + G - 1 into out (fp32 [G, D]).
 static void attend_item(const AttnArgs& a, int64_t b, int64_t hk, float* out, std::vector<float>& buf) {
-    const int64_t G = a.H / a.Hkv, D = a.D, n = a.n, nc = D / 8;
+    const int64_t G = a.H / a.Hkv, D = a.D, n = a.n;
     buf.resize((size_t)(G * D + G * n));
     float* qf = buf.data();
     float* s = qf + G * D;
@@ -723,20 +785,11 @@ static void attend_item(const AttnArgs& a, int64_t b, int64_t hk, float* out, st
     const uint8_t* mask = a.mask + b * n;
     const float ninf = -INFINITY;
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int64_t gn = std::min<int64_t>(4, G - g0);
-        for (int64_t j = 0; j < n; j++) {
-            if (!mask[j]) {
-                for (int64_t g = 0; g < gn; g++) s[(g0 + g) * n + j] = ninf;
-                continue;
-            }
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            const uint16_t* kr = kb + j * a.k_sj;
-            if (g0 == 0 && j + kAhead < n) prefetch_row(kb + (j + kAhead) * a.k_sj, D);
-            for (int64_t c = 0; c < nc; c++) {
-                const __m256 kv = bf16x8(kr + 8 * c);
-                for (int64_t g = 0; g < gn; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (g0 + g) * D + 8 * c), kv, acc[g]);
-            }
-            for (int64_t g = 0; g < gn; g++) s[(g0 + g) * n + j] = hsum(acc[g]) * a.scale;
+        switch ((int)std::min<int64_t>(4, G - g0)) {
+            case 1: scores<1>(a, kb, mask, qf + g0 * D, s + g0 * n); break;
+            case 2: scores<2>(a, kb, mask, qf + g0 * D, s + g0 * n); break;
+            case 3: scores<3>(a, kb, mask, qf + g0 * D, s + g0 * n); break;
+            default: scores<4>(a, kb, mask, qf + g0 * D, s + g0 * n); break;
         }
     }
     // softmax numerators in place: p_j = e^(s_j - max); masked slots give exactly 0
@@ -772,29 +825,11 @@ static void attend_item(const AttnArgs& a, int64_t b, int64_t hk, float* out, st
     for (int64_t j0 = 0; j0 < n; j0 += 64) {
         const int64_t j1 = std::min<int64_t>(j0 + 64, n);
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            const int64_t gn = std::min<int64_t>(4, G - g0);
-            for (int64_t c = 0; c < nc; c += 2) {
-                const bool two = c + 1 < nc;
-                __m256 acc[4][2];
-                for (int64_t g = 0; g < gn; g++) {
-                    acc[g][0] = _mm256_loadu_ps(out + (g0 + g) * D + 8 * c);
-                    acc[g][1] = two ? _mm256_loadu_ps(out + (g0 + g) * D + 8 * c + 8) : _mm256_setzero_ps();
-                }
-                for (int64_t j = j0; j < j1; j++) {
-                    if (g0 == 0 && c == 0 && j + 64 < n) prefetch_row(vb + (j + 64) * a.v_sj, D);  // the next block
-                    if (!mask[j]) continue;
-                    const uint16_t* vr = vb + j * a.v_sj + 8 * c;
-                    const __m256 v0 = bf16x8(vr), v1 = two ? bf16x8(vr + 8) : _mm256_setzero_ps();
-                    for (int64_t g = 0; g < gn; g++) {
-                        const __m256 p = _mm256_set1_ps(s[(g0 + g) * n + j]);
-                        acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
-                        acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
-                    }
-                }
-                for (int64_t g = 0; g < gn; g++) {
-                    _mm256_storeu_ps(out + (g0 + g) * D + 8 * c, acc[g][0]);
-                    if (two) _mm256_storeu_ps(out + (g0 + g) * D + 8 * c + 8, acc[g][1]);
-                }
+            switch ((int)std::min<int64_t>(4, G - g0)) {
+                case 1: weighted<1>(a, vb, mask, s + g0 * n, j0, j1, g0 == 0, out + g0 * D); break;
+                case 2: weighted<2>(a, vb, mask, s + g0 * n, j0, j1, g0 == 0, out + g0 * D); break;
+                case 3: weighted<3>(a, vb, mask, s + g0 * n, j0, j1, g0 == 0, out + g0 * D); break;
+                default: weighted<4>(a, vb, mask, s + g0 * n, j0, j1, g0 == 0, out + g0 * D); break;
             }
         }
     }
