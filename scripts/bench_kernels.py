@@ -8,6 +8,10 @@ Cases (Llama 4 Scout: dim 5120, expert hidden 8192, 16 experts; scaled to a 2-co
   larger than a 300 MiB last-level cache, so this is the memory-roofline case.
 * ``moe16``: grouped SwiGLU over 16 experts at reduced dims (D 1024, F 2048), tokens routed
   top-1 round robin (batch 1 touches one expert, 512 touches all).
+* ``attention``: a decode step's attention over a bf16 KV cache (``kernels.decode_attention``),
+  the bench preset's heads (16 query heads, 4 KV heads, head_dim 128, batch 1), at 40, 1024 and
+  8192 cached tokens ("batch" is the cache length). Bytes are the cache's keys and values; "x
+  reference" is against PyTorch's SDPA (path ``sdpa``), which the core uses without the kernels.
 
 Every timing is the median over ``reps`` rounds; inside a round the paths and formats alternate
 with a streaming read of a buffer larger than the LLC (fp32 ``sum``, the fastest plain read we
@@ -42,7 +46,7 @@ from typing import Callable, Optional
 import fire
 import torch
 
-from kernels import cpu, reference
+from kernels import attention, cpu, reference
 from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, W4A8Weight
 
 FORMATS = ("bf16", "int4", "fp8", "w4a8", "nvfp4", "nvfp4_w4a4")
@@ -51,7 +55,7 @@ FORMATS = ("bf16", "int4", "fp8", "w4a8", "nvfp4", "nvfp4_w4a4")
 @dataclass
 class Case:
     name: str
-    kind: str  # "linear" or "moe"
+    kind: str  # "linear", "moe" or "attention" (n: query heads, k: head_dim, experts: KV heads)
     n: int  # linear: N; moe: hidden F
     k: int  # linear: K; moe: dim D
     experts: int
@@ -63,10 +67,12 @@ FULL = (
     Case("expert_w1", "linear", 8192, 5120, 1, (1, 8, 512), 8192 * 5120),
     Case("stack16", "linear", 16 * 8192, 5120, 1, (1, 8), 0),
     Case("moe16", "moe", 2048, 1024, 16, (1, 8, 512), 16 * 3 * 2048 * 1024),
+    Case("attention", "attention", 16, 128, 4, (40, 1024, 8192), 0),
 )
 QUICK = (
     Case("expert_w1", "linear", 128, 256, 1, (1, 8, 32), 1 << 30),
     Case("moe4", "moe", 128, 128, 4, (1, 8, 32), 1 << 30),
+    Case("attention", "attention", 8, 64, 2, (16, 100), 0),
 )
 
 
@@ -172,7 +178,57 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _under_cap(cap: Optional[str], fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def run():
+        if cap is not None:
+            cpu.set_isa(cap)
+        try:
+            return fn()
+        finally:
+            if cap is not None:
+                cpu.set_isa(None)
+
+    return run
+
+
+def run_attention(case: Case, backends: list[str], reps: int, stream: torch.Tensor) -> list[dict]:
+    """The ``attention`` case: kernels.decode_attention under each cpu path against SDPA."""
+    rows = []
+    h, d, hkv = case.n, case.k, case.experts
+    for n in case.batches:
+        g = torch.Generator().manual_seed(n)
+        q = torch.randn(1, 1, h, d, generator=g).to(torch.bfloat16)
+        keys = torch.randn(1, n, hkv, d, generator=g).to(torch.bfloat16)
+        values = torch.randn(1, n, hkv, d, generator=g).to(torch.bfloat16)
+        mask = torch.ones(1, 1, 1, n, dtype=torch.bool)
+        runs = {"sdpa": lambda: attention._sdpa(q, keys, values, mask)}
+        for path in backends:
+            if path.startswith("cpu"):
+                cap = path.split("/", 1)[1] if "/" in path else None
+                runs[path] = _under_cap(cap, lambda: attention.decode_attention(q, keys, values, mask))
+        for fn in runs.values():
+            fn()  # warm up (builds the library)
+        times = {key: [] for key in runs}
+        stream_t = []
+        for _ in range(reps):
+            stream_t.append(_time(lambda: stream.sum()))
+            for key, fn in runs.items():
+                times[key].append(_time(fn))
+        stream_gbs = stream.numel() * stream.element_size() / statistics.median(stream_t) / 1e9
+        nbytes = 2 * n * hkv * d * 2
+        sdpa_t = statistics.median(times["sdpa"])
+        for path, ts in times.items():
+            t = statistics.median(ts)
+            rows.append(dict(case=case.name, format="bf16 KV", batch=n, path=path, ms=t * 1e3, weight_mb=nbytes / 2**20,
+                             gbs=nbytes / t / 1e9, roofline=nbytes / t / 1e9 / stream_gbs, stream_gbs=stream_gbs,
+                             vs_reference=sdpa_t / t, vs_bf16=None))  # fmt: skip
+        print(f"# {case.name} {n} cached tokens: done (stream {stream_gbs:.1f} GB/s)", flush=True)
+    return rows
+
+
 def run_case(case: Case, backends: list[str], reps: int, stream: torch.Tensor) -> list[dict]:
+    if case.kind == "attention":
+        return run_attention(case, backends, reps, stream)
     print(f"# {case.name}: building weights ...", flush=True)
     weights = {}
     for i, fmt in enumerate(FORMATS):
@@ -251,7 +307,7 @@ def main(quick: bool = False, json: Optional[str] = None, backends: str = "cpu,r
         json: write the rows and machine info to this file.
         backends: comma list of paths: cpu, reference, int4pack.
         reps: timed rounds per row (default 7, quick 3).
-        cases: comma list of case names (expert_w1, stack16, moe16) to run; default all.
+        cases: comma list of case names (expert_w1, stack16, moe16, attention) to run; default all.
         isa: run the cpu path under each of these CPU caps (comma list of amx, avx512, avx2, none,
             or ``all`` for every cap this CPU can run); default: the cap in force only.
     """
