@@ -217,7 +217,8 @@ class PrefixCache:
             step.masks[key] = mask.unsqueeze(1)
         return keys, values, step.masks[key]
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, impl: int = 0) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               impl: int = 0) -> torch.Tensor:
         """Attention output [B, 1, H, D] of one new token per row at ``positions`` [B] (see ``decode_attention``)."""
         return decode_attention(q, k, v, *self.store.tensors(), positions, self.chunk or 0, False, impl)
 
@@ -232,7 +233,8 @@ class RingCache:
         self.chunk = chunk
         self.store = _Store(batch, min(chunk, max_seq_len), heads, head_dim, dtype, device)
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, impl: int = 0) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               impl: int = 0) -> torch.Tensor:
         """Attention output [B, 1, H, D] of one new token per row at ``positions`` [B] (see ``decode_attention``)."""
         return decode_attention(q, k, v, *self.store.tensors(), positions, self.chunk, True, impl)
 

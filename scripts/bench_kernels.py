@@ -219,9 +219,9 @@ def run_attention(case: Case, backends: list[str], reps: int, stream: torch.Tens
         sdpa_t = statistics.median(times["sdpa"])
         for path, ts in times.items():
             t = statistics.median(ts)
-            rows.append(dict(case=case.name, format="bf16 KV", batch=n, path=path, ms=t * 1e3, weight_mb=nbytes / 2**20,
-                             gbs=nbytes / t / 1e9, roofline=nbytes / t / 1e9 / stream_gbs, stream_gbs=stream_gbs,
-                             vs_reference=sdpa_t / t, vs_bf16=None))  # fmt: skip
+            rows.append(dict(case=case.name, format="bf16 KV", batch=n, path=path, ms=t * 1e3,
+                             weight_mb=nbytes / 2**20, gbs=nbytes / t / 1e9, roofline=nbytes / t / 1e9 / stream_gbs,
+                             stream_gbs=stream_gbs, vs_reference=sdpa_t / t, vs_bf16=None))  # fmt: skip
         print(f"# {case.name} {n} cached tokens: done (stream {stream_gbs:.1f} GB/s)", flush=True)
     return rows
 
