@@ -13,6 +13,9 @@ Cases (Llama 4 Scout: dim 5120, expert hidden 8192, 16 experts; scaled to a 2-co
   8192 cached tokens ("batch" is the cache length). Bytes are the cache's keys and values; "x
   reference" is against PyTorch's SDPA (path ``sdpa``), which the core uses without the kernels.
 
+Formats: bf16, int4, int4_a8 (the same int4 weights with ``int8_activations``, the explicit
+integer-dot-product option), fp8, w4a8, nvfp4 and nvfp4_w4a4.
+
 Every timing is the median over ``reps`` rounds; inside a round the paths and formats alternate
 with a streaming read of a buffer larger than the LLC (fp32 ``sum``, the fastest plain read we
 found), so a noisy machine affects all of them alike. Reported per row: median time, weight
@@ -49,7 +52,7 @@ import torch
 from kernels import attention, cpu, reference
 from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, W4A8Weight
 
-FORMATS = ("bf16", "int4", "fp8", "w4a8", "nvfp4", "nvfp4_w4a4")
+FORMATS = ("bf16", "int4", "int4_a8", "fp8", "w4a8", "nvfp4", "nvfp4_w4a4")
 
 
 @dataclass
@@ -88,8 +91,9 @@ def make_weight(fmt: str, n: int, k: int, e: Optional[int] = None, seed: int = 0
     def nibbles() -> torch.Tensor:
         return torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, generator=g)
 
-    if fmt == "int4":
-        return Int4Weight(nibbles(), (torch.rand(*lead, n, k // 128, generator=g) * 0.01).to(torch.bfloat16), 128)
+    if fmt in ("int4", "int4_a8"):  # int4_a8: the same weights with int8 activations (an explicit option)
+        return Int4Weight(nibbles(), (torch.rand(*lead, n, k // 128, generator=g) * 0.01).to(torch.bfloat16), 128,
+                          int8_activations=fmt == "int4_a8")
     if fmt == "fp8":
         codes = torch.randint(0, 0x7F, (*lead, n, k), dtype=torch.uint8, generator=g)  # no NaN (0x7F)
         codes |= torch.randint(0, 2, (*lead, n, k), dtype=torch.uint8, generator=g) << 7

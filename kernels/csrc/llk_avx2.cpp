@@ -578,12 +578,26 @@ static void q8_quantize(const float* x, int64_t rows, int64_t K, int64_t ldx, Q8
         }
 }
 
+// One weight row against MR activation rows. The row's pointers and the activations' are set up
+// once, outside the chunk loop, and the weight bytes kQ8Ahead on (a few rows) are prefetched:
+// 16.5-17.5 ms against 18.5-20 ms without, for a 202048 x 2048 output layer on 2 EPYC cores.
+// Two to four weight rows per pass, sharing the activation loads, measured 1.3-2x slower there:
+// the interleaved row streams read memory more slowly than one row after the other.
+static const int64_t kQ8Ahead = 4096;  // bytes
+
 template <int SF, int MR>
 static inline void q8_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, const Q8Rows& q, int64_t r0,
                           const Tables& t, float res[MR]) {
-    const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
     const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
-    const void* srow = (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+    const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
+    const uint8_t* srow = (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+    const int8_t* am[MR];
+    const int32_t* cm[MR];
+    const float* sm[MR];
+    for (int m = 0; m < MR; m++) {
+        const int64_t base = (r0 + m) * q.nchunk;
+        am[m] = q.a.data() + base * 64, cm[m] = q.c.data() + base * 8, sm[m] = q.s.data() + base * 8;
+    }
     const __m256i m4 = _mm256_set1_epi8(0x0F), x88 = _mm256_set1_epi8((char)0x88), ones = _mm256_set1_epi16(1);
     const int64_t cpg = a.gs / 64, ngroups = a.K / a.gs;
     __m256 tot[MR];
@@ -592,16 +606,23 @@ static inline void q8_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
         __m256 acc[MR];
         for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
         for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {
+
+
+
+
+
+
+
+            if ((c & 1) == 0) _mm_prefetch((const char*)(wrow + 32 * c + kQ8Ahead), _MM_HINT_T0);
             const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(wrow + 32 * c)), x88);
             const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             for (int m = 0; m < MR; m++) {
-                const int64_t base = (r0 + m) * q.nchunk + c;
-                const int8_t* am = q.a.data() + base * 64;
-                const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)am)),
-                                                   _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(am + 32))));
+                const __m256i p = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(am[m] + 64 * c))),
+                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(am[m] + 64 * c + 32))));
                 const __m256i i32 = _mm256_sub_epi32(_mm256_madd_epi16(p, ones),
-                                                     _mm256_loadu_si256((const __m256i*)(q.c.data() + base * 8)));
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_loadu_ps(q.s.data() + base * 8), acc[m]);
+                                                     _mm256_loadu_si256((const __m256i*)(cm[m] + 8 * c)));
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_loadu_ps(sm[m] + 8 * c), acc[m]);
             }
         }
         const __m256 sv = _mm256_set1_ps(scale_at<SF>(srow, g, t));
