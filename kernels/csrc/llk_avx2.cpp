@@ -610,13 +610,6 @@ static inline void q8_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
         __m256 acc[MR];
         for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
         for (int64_t c = g * cpg; c < (g + 1) * cpg; c++) {
-
-
-
-
-
-
-
             if ((c & 1) == 0) _mm_prefetch((const char*)(wrow + 32 * c + kRowAhead), _MM_HINT_T0);
             const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(wrow + 32 * c)), x88);
             const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
