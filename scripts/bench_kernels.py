@@ -130,6 +130,20 @@ def int4pack_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, w.group_size, sz)
 
 
+def _under_cap(cap: Optional[str], fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """fn run under the CPU cap ``cap`` (None: the cap in force)."""
+    def run(*args):
+        if cap is not None:
+            cpu.set_isa(cap)
+        try:
+            return fn(*args)
+        finally:
+            if cap is not None:
+                cpu.set_isa(None)
+
+    return run
+
+
 def path_fn(path: str, case: Case, fmt: str, ws) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """fn(x, offsets) for one path, or None when the path does not apply. ``cpu/ISA``: the CPU
     kernels under that cap (``cpu``: the cap in force)."""
@@ -142,21 +156,9 @@ def path_fn(path: str, case: Case, fmt: str, ws) -> Optional[Callable[[torch.Ten
     else:
         module, cap = cpu, (path.split("/", 1)[1] if "/" in path else None)
 
-    def call(fn):
-        def run(x, off):
-            if cap is not None:
-                cpu.set_isa(cap)
-            try:
-                return fn(x, off)
-            finally:
-                if cap is not None:
-                    cpu.set_isa(None)
-
-        return run
-
     if case.kind == "linear":
-        return call(lambda x, off: module.linear(x, ws[0]))
-    return call(lambda x, off: module.grouped_swiglu(x, off, *ws))
+        return _under_cap(cap, lambda x, off: module.linear(x, ws[0]))
+    return _under_cap(cap, lambda x, off: module.grouped_swiglu(x, off, *ws))
 
 
 def touched_bytes(case: Case, ws, offsets: Optional[list[int]]) -> int:
@@ -180,19 +182,6 @@ def _time(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def _under_cap(cap: Optional[str], fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    def run():
-        if cap is not None:
-            cpu.set_isa(cap)
-        try:
-            return fn()
-        finally:
-            if cap is not None:
-                cpu.set_isa(None)
-
-    return run
 
 
 def run_attention(case: Case, backends: list[str], reps: int, stream: torch.Tensor) -> list[dict]:
