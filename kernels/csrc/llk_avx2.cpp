@@ -730,12 +730,13 @@ static inline void prefetch_row(const uint16_t* p, int64_t D) {
 
 // Scores of GN queries (qf: fp32 [GN, D]) against every slot: s[g * n + j] (-inf where masked).
 // Two accumulators per query (even / odd chunks of D) halve the FMA latency chain; GN is a
-// template parameter so that the accumulators stay in registers.
+// template parameter so that the accumulators stay in registers. The first group of queries
+// prefetches the key rows ahead (later groups find them in cache).
 template <int GN>
-static void scores(const AttnArgs& a, const uint16_t* kb, const uint8_t* mask, const float* qf, float* s) {
+static void scores(const AttnArgs& a, const uint16_t* kb, const uint8_t* mask, const float* qf, bool first, float* s) {
     const int64_t n = a.n, D = a.D, nc = D / 8;
     for (int64_t j = 0; j < n; j++) {
-        if (j + kAhead < n) prefetch_row(kb + (j + kAhead) * a.k_sj, D);
+        if (first && j + kAhead < n) prefetch_row(kb + (j + kAhead) * a.k_sj, D);
         if (!mask[j]) {
             for (int g = 0; g < GN; g++) s[g * n + j] = -INFINITY;
             continue;
@@ -804,10 +805,10 @@ static void attend_item(const AttnArgs& a, int64_t b, int64_t hk, float* out, st
     const float ninf = -INFINITY;
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
         switch ((int)std::min<int64_t>(4, G - g0)) {
-            case 1: scores<1>(a, kb, mask, qf + g0 * D, s + g0 * n); break;
-            case 2: scores<2>(a, kb, mask, qf + g0 * D, s + g0 * n); break;
-            case 3: scores<3>(a, kb, mask, qf + g0 * D, s + g0 * n); break;
-            default: scores<4>(a, kb, mask, qf + g0 * D, s + g0 * n); break;
+            case 1: scores<1>(a, kb, mask, qf + g0 * D, g0 == 0, s + g0 * n); break;
+            case 2: scores<2>(a, kb, mask, qf + g0 * D, g0 == 0, s + g0 * n); break;
+            case 3: scores<3>(a, kb, mask, qf + g0 * D, g0 == 0, s + g0 * n); break;
+            default: scores<4>(a, kb, mask, qf + g0 * D, g0 == 0, s + g0 * n); break;
         }
     }
     // softmax numerators in place: p_j = e^(s_j - max); masked slots give exactly 0
