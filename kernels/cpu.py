@@ -178,7 +178,7 @@ def _llk_form(w: Weight, layout: tuple[int, int, int], path: str) -> dict:
         _ptr(rowscale), n, _ptr(alpha),
     )  # fmt: skip
     form = dict(
-        path=path, wfmt=wfmt, sfmt=sfmt, gs=gs, e=e1, n=n, k=k, data=data, scales=scales,
+        path=path, wfmt=wfmt, sfmt=sfmt, gs=gs, e=e1, dense=e is None, n=n, k=k, data=data, scales=scales,
         rowscale=rowscale, alpha=alpha, cweight=cw,
     )  # fmt: skip
     if isinstance(w, (Fp8Weight, W4A8Weight)):
@@ -202,7 +202,7 @@ def _build_cpu_form(w: Weight, path: str) -> dict:
         layout = _kernel_layout(w, path)
         if layout is not None:
             return _llk_form(w, layout, path)
-    form = dict(path="torch", e=e1, n=n, k=k)
+    form = dict(path="torch", e=e1, dense=e is None, n=n, k=k)
     if isinstance(w, Int4Weight) and n % 16 == 0 and k % w.group_size == 0 and w.group_size in (32, 64, 128, 256):
         # PyTorch's packed int4 kernel, in fp32 (fp32 activations, scales and accumulation), takes
         # unsigned values with a zero point, w = (u - 8) * scale + zero; u = q + 8 and zero = 0
@@ -393,18 +393,22 @@ def _tile_expert(form: dict, xe: torch.Tensor, e: int, tok: Optional[torch.Tenso
     return out
 
 
+# Argument blocks kept per weight form, one per (row split, threads) seen at decode: at batch 1
+# that is one per expert. Beyond this many (varied batches), the cache starts over.
+_DECODE_CALLS = 64
+
+
 def _decode_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = None) -> Optional[torch.Tensor]:
     """What ``_run(...).to(torch.bfloat16)`` returns, in one library call, or None where it does not apply.
 
     Decode's case: bf16 x, weights whose activations are not quantized (or int8, which the
     library quantizes itself), every row in an expert that takes the GEMV. The library widens x
     into its order and rounds the fp32 results to bf16 itself (the same operations as the general
-    path, so the same bits), which saves four PyTorch ops and ~25 us of Python per call.
+    path, so the same bits), which saves four PyTorch ops and ~25 us of Python per call. The C
+    argument block of each row split is built once and kept (``_DECODE_CALLS``), so a call costs
+    one dictionary lookup, one ``torch.empty`` and the library call.
     """
-    if x.dtype != torch.bfloat16 or form["act"] not in (None, "int8") or off[0] != 0 or off[-1] != x.shape[0]:
-        return None
-    limit = GEMV_MAX_ROWS[form["path"]][form["wfmt"]]
-    if any(b - a > limit for a, b in zip(off, off[1:])) or x.stride(-1) != 1:
+    if x.dtype != torch.bfloat16 or form["act"] not in (None, "int8") or x.stride(-1) != 1:
         return None
     key = "io" if form3 is None else "io3"
     plan = form.get(key)
@@ -418,16 +422,26 @@ def _decode_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[di
                 perm = torch.arange(-(-form["k"] // 32) * 32)  # fp8 decodes in K order
         perm = perm.to(torch.int32).contiguous()
         template = _args(form, perm, None, None, None, None, form3)
-        plan = form[key] = (form3, fn, bytes(template), perm)
-    _, fn, template, perm = plan
-    a = LlkArgs.from_buffer_copy(template)
-    a.nthreads = torch.get_num_threads()
-    starts, ends = _rows_array(off[:-1]), _rows_array(off[1:])
-    a.row_start, a.row_end = ctypes.addressof(starts), ctypes.addressof(ends)
-    t = x.shape[0]
-    out = torch.empty(t, form["n"], dtype=torch.bfloat16)
-    _check(fn(ctypes.byref(a), perm.data_ptr(), perm.numel(), t, x.data_ptr(), x.stride(0), out.data_ptr(), form["n"]),
-           "llk_gemv_bf16io")  # fmt: skip
+        plan = form[key] = (form3, fn, bytes(template), perm, {})
+    _, fn, template, perm, calls = plan
+    t, nt = x.shape[0], torch.get_num_threads()
+    call = calls.get((t, nt, *off))
+    if call is None:
+        if off[0] != 0 or off[-1] != t:
+            return None
+        limit = GEMV_MAX_ROWS[form["path"]][form["wfmt"]]
+        if any(b - a > limit for a, b in zip(off, off[1:])):
+            return None
+        a = LlkArgs.from_buffer_copy(template)
+        a.nthreads = nt
+        starts, ends = _rows_array(off[:-1]), _rows_array(off[1:])
+        a.row_start, a.row_end = ctypes.addressof(starts), ctypes.addressof(ends)
+        if len(calls) >= _DECODE_CALLS:
+            calls.clear()
+        call = calls[t, nt, *off] = (ctypes.byref(a), perm.data_ptr(), perm.numel(), form["n"], starts, ends)
+    args, perm_ptr, perm_len, n = call[:4]
+    out = torch.empty(t, n, dtype=torch.bfloat16)
+    _check(fn(args, perm_ptr, perm_len, t, x.data_ptr(), x.stride(0), out.data_ptr(), n), "llk_gemv_bf16io")
     return out
 
 
@@ -648,9 +662,14 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
             return out.view(*x.shape[:-1], w.shape[0])
         # oneDNN with the weight as left operand reads it in place (F.linear repacks it)
         return (w @ x2.T).T.contiguous().view(*x.shape[:-1], w.shape[0])
-    n, k = _dense(w)
-    x2 = _rows(x, k)
-    return _grouped(x2, [0, x2.shape[0]], w).reshape(*x.shape[:-1], n)
+    form = _form(w)  # the weight's shape from its cached form: no container inspected per call
+    if not form["dense"]:
+        _dense(w)  # raises
+    x2 = _rows(x, form["k"])
+    out = _decode_bf16(form, x2, [0, x2.shape[0]]) if form["path"] != "torch" else None
+    if out is None:
+        out = _grouped_fp32(x2, [0, x2.shape[0]], w).to(x2.dtype)
+    return out.view(*x.shape[:-1], form["n"])
 
 
 def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -660,27 +679,28 @@ def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: Weight) -> torch.T
     return _grouped(_rows(x, weight_shape(w)[2]), off, w)
 
 
-def _fusable(w1: Weight, w3: Weight, x: torch.Tensor) -> bool:
-    """W1 and W3 can run in one kernel call: same layout, same activation quantization."""
-    if isinstance(w1, torch.Tensor) or type(w1) is not type(w3) or x.dtype != torch.bfloat16:
-        return False
-    f1, f3 = _form(w1), _form(w3)
-    if f1["path"] == "torch" or f3["path"] == "torch":
-        return False
-    same = all(f1[key] == f3[key] for key in ("wfmt", "sfmt", "gs", "e", "n", "k", "act"))
-    if f1["act"] == "fp8":
-        same = same and f1["ub"] == f3["ub"]
-    if f1["act"] == "nvfp4":
-        same = same and torch.equal(f1["g_in"], f3["g_in"])
-    return same
+def _fusable(f1: dict, f3: dict) -> bool:
+    """The forms of W1 and W3 (same container type) can run in one kernel call: same layout, same
+    activation quantization. Decided once per pair and kept in W1's form."""
+    pair = f1.get("pair")
+    if pair is None or pair[0] is not f3:
+        same = f1["path"] != "torch" and f3["path"] != "torch"
+        same = same and all(f1[key] == f3[key] for key in ("wfmt", "sfmt", "gs", "e", "n", "k", "act"))
+        if same and f1["act"] == "fp8":
+            same = f1["ub"] == f3["ub"]
+        if same and f1["act"] == "nvfp4":
+            same = torch.equal(f1["g_in"], f3["g_in"])
+        pair = f1["pair"] = (f3, same)
+    return pair[1]
 
 
 def _swiglu_hidden(x2: torch.Tensor, off: list[int], w1: Weight, w3: Weight) -> torch.Tensor:
     """h = silu(x W1.T) * (x W3.T) from fp32 products, in x.dtype."""
-    if _fusable(w1, w3, x2):
+    if not isinstance(w1, torch.Tensor) and type(w1) is type(w3) and x2.dtype == torch.bfloat16:
         f1, f3 = _form(w1), _form(w3)
-        out = _decode_bf16(f1, x2, off, f3)
-        return out if out is not None else _run(f1, x2, off, f3).to(x2.dtype)
+        if _fusable(f1, f3):
+            out = _decode_bf16(f1, x2, off, f3)
+            return out if out is not None else _run(f1, x2, off, f3).to(x2.dtype)
     return (F.silu(_grouped_fp32(x2, off, w1, True)) * _grouped_fp32(x2, off, w3, True)).to(x2.dtype)
 
 
@@ -688,12 +708,15 @@ def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1: Weight, w3: Weigh
     """Per expert: (silu(x W1.T) * (x W3.T)) W2.T -> [T, D] in x.dtype.
 
     W1 and W3 share one activation quantization and one kernel call (two accumulators per row,
-    SwiGLU in the epilogue), so h is written once; W2 is a second grouped call.
+    SwiGLU in the epilogue), so h is written once; W2 is a second grouped call on the same rows.
     """
     e = _experts(w1)
     off = check_offsets(offsets, e, x.shape[0])
     h = _swiglu_hidden(_rows(x, weight_shape(w1)[2]), off, w1, w3)
-    return grouped_linear(h, offsets, w2)
+    e2, _, k2 = weight_shape(w2)
+    if e2 != e:
+        return grouped_linear(h, offsets, w2)  # raises the mismatch
+    return _grouped(_rows(h, k2), off, w2)
 
 
 def swiglu(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight) -> torch.Tensor:
