@@ -81,19 +81,23 @@ class RMSNorm(nn.Module):
 
 def rope_frequencies(args: ModelArgs, end: int) -> torch.Tensor:
     """complex64 [end, head_dim/2]: e^(i * pos * freq), with Llama 4's low/high frequency scaling."""
-    cos, sin = rope_at(rope_inverse_frequencies(args), torch.arange(end))
-    return torch.complex(cos, sin)
+    angles = torch.arange(end).float().unsqueeze(-1) * rope_inverse_frequencies(args)
+    return torch.complex(torch.cos(angles), torch.sin(angles))
 
 
 def rope_at(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), fp32 [*positions.shape, head_dim/2], of the angles pos * freq for the frequencies
-    of ``rope_inverse_frequencies``.
+    """(cos, sin), fp32 [*positions.shape, 1, head_dim], of the angles pos * freq for the frequencies
+    of ``rope_inverse_frequencies``, laid out for ``apply_rope``: each pair's angle at both of its
+    members, the sine negated at the first.
 
     Computed per call rather than looked up in a max_seq_len table, which at a long context would
     take gigabytes (the values are the same: one fp32 product per entry either way).
     """
     angles = positions.to(torch.float32).unsqueeze(-1) * freqs.to(positions.device)
-    return torch.cos(angles), torch.sin(angles)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    cos2 = torch.stack((cos, cos), dim=-1).flatten(-2)
+    sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
+    return cos2.unsqueeze(-2), sin2.unsqueeze(-2)
 
 
 def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -117,11 +121,13 @@ def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
 def apply_rope(x_bshd: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Interleaved (complex-pair) rotary embedding, as Meta's reference: each pair (a, b) of the
     head dimension turns by its angle, (a cos - b sin, a sin + b cos), in fp32. Real arithmetic
-    (not complex tensors), which compiled code fuses."""
-    cos, sin = (t.unsqueeze(2) for t in rope)  # [B, S, 1, D/2]
-    pairs = x_bshd.float().reshape(*x_bshd.shape[:-1], -1, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(3).type_as(x_bshd)
+    (not complex tensors), which compiled code fuses, as x * cos + swap(x) * sin with the layout of
+    ``rope_at`` (swap: (b, a) per pair): the same products and sums, so the same bits, in half
+    the eager ops of splitting the pairs."""
+    cos, sin = rope
+    xf = x_bshd.float()
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (xf * cos + swapped * sin).type_as(x_bshd)
 
 
 def attention_masks(positions_bs: torch.Tensor, cache_len: int, chunk: Optional[int]):
@@ -173,10 +179,13 @@ class Attention(nn.Module):
         q = self.wq(x_bsD).view(bsz, seqlen, self.n_local_heads, self.head_dim)
         k = self.wk(x_bsD).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         v = self.wv(x_bsD).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-        if self.use_rope:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if self.use_qk_norm:
-            q, k = rmsnorm(q, self.norm_eps), rmsnorm(k, self.norm_eps)
+        if self.use_rope or self.use_qk_norm:  # per head: q's and k's heads as one tensor, half the ops
+            qk = torch.cat((q, k), dim=2)
+            if self.use_rope:
+                qk = apply_rope(qk, rope)
+            if self.use_qk_norm:
+                qk = rmsnorm(qk, self.norm_eps)
+            q, k = qk.split((self.n_local_heads, self.n_local_kv_heads), dim=2)
         if self.temperature_tuning:
             # Sharpen attention at long range on the global (NoPE) layers; no-op below floor_scale.
             pos = positions_bs.float()
@@ -293,11 +302,12 @@ class MoE(nn.Module):
         scores_aK = torch.sigmoid(scores_aK)
         experts_T = experts_aK.flatten()
         order_T = torch.argsort(experts_T, stable=True)
-        # counts per expert by a scatter (bincount's output size depends on the data)
-        counts_E = torch.zeros(self.router_DE.shape[1], dtype=torch.long, device=x_aD.device)
-        counts_E.scatter_add_(0, experts_T, torch.ones_like(experts_T))
-        offsets = torch.cat((counts_E.new_zeros(1), torch.cumsum(counts_E, 0)))
-        return order_T // self.top_k, scores_aK.flatten()[order_T], offsets
+        # offsets[e] = routed rows with an expert below e, found in the sorted experts (a fixed
+        # [E + 1] shape, unlike bincount's)
+        bounds = torch.arange(self.router_DE.shape[1] + 1, device=x_aD.device)
+        offsets = torch.searchsorted(experts_T[order_T], bounds)
+        token_T = order_T // self.top_k if self.top_k > 1 else order_T
+        return token_T, scores_aK.flatten()[order_T], offsets
 
     def forward(self, x_bsD: torch.Tensor) -> torch.Tensor:
         shape = x_bsD.shape
