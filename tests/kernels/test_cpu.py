@@ -348,7 +348,8 @@ def test_decode_entry_gives_the_general_paths_bits(fmt, lib_isa):
     """One library call for decode (bf16 x in, bf16 out: cpu._decode_bf16) returns the bits of the
     general path (PyTorch's widening and gather, the fp32 GEMV, PyTorch's rounding), for dense and
     grouped weights, K not a multiple of the decode block, empty experts and the fused SwiGLU; it
-    declines where activations are quantized to fp8 or nvfp4 or an expert has more rows than the GEMV takes."""
+    declines where activations are quantized to fp8 or nvfp4 or an expert has more rows than the GEMV takes.
+    Each split is seen twice (the second call reuses the argument block kept for it), once more on one thread."""
     takes = fmt in ("int4", "int4_g32_fp32", "nvfp4", "int4_a8")
     for k in (128, 640):
         w = FORMATS[fmt](40, k, lead=(3,), seed=k)
@@ -357,17 +358,23 @@ def test_decode_entry_gives_the_general_paths_bits(fmt, lib_isa):
         if f1["path"] == "torch":  # no C kernel for this layout: PyTorch only, never this entry
             assert fmt == "int4_a8_g32"
             return
-        for counts in ([1, 0, 2], [0, 1, 0], [3, 5, 1]):
-            off = [0, counts[0], counts[0] + counts[1], sum(counts)]
-            x = torch.randn(off[-1], k, dtype=torch.bfloat16)
-            fast = cpu._decode_bf16(f1, x, off)
-            assert (fast is not None) == takes
-            if takes:
-                assert torch.equal(fast, cpu._run(f1, x, off).to(torch.bfloat16))
-                assert torch.equal(cpu._decode_bf16(f1, x, off, f3), cpu._run(f1, x, off, f3).to(torch.bfloat16))
+        threads = torch.get_num_threads()
+        for rnd, counts in enumerate(([1, 0, 2], [0, 1, 0], [3, 5, 1]) * 3):
+            torch.set_num_threads(1 if rnd >= 6 else threads)
+            try:
+                off = [0, counts[0], counts[0] + counts[1], sum(counts)]
+                x = torch.randn(off[-1], k, dtype=torch.bfloat16)
+                fast = cpu._decode_bf16(f1, x, off)
+                assert (fast is not None) == takes
+                if takes:
+                    assert torch.equal(fast, cpu._run(f1, x, off).to(torch.bfloat16))
+                    assert torch.equal(cpu._decode_bf16(f1, x, off, f3), cpu._run(f1, x, off, f3).to(torch.bfloat16))
+            finally:
+                torch.set_num_threads(threads)
         # rows outside the experts, fp32 input, or more rows than the GEMV limit: the general path
         x = torch.randn(4, k, dtype=torch.bfloat16)
         assert cpu._decode_bf16(f1, x, [1, 2, 2, 3]) is None
+        assert cpu._decode_bf16(f1, x, [0, 1, 1, 3]) is None  # a split kept for 3 rows, given 4
         assert cpu._decode_bf16(f1, x.float(), [0, 1, 2, 4]) is None
         many = cpu.GEMV_MAX_ROWS[lib_isa][f1["wfmt"]] + 1
         assert cpu._decode_bf16(f1, torch.randn(many, k, dtype=torch.bfloat16), [0, many, many, many]) is None
