@@ -79,12 +79,6 @@ class RMSNorm(nn.Module):
         return rmsnorm(x, self.eps) * self.weight
 
 
-def rope_frequencies(args: ModelArgs, end: int) -> torch.Tensor:
-    """complex64 [end, head_dim/2]: e^(i * pos * freq), with Llama 4's low/high frequency scaling."""
-    angles = torch.arange(end).float().unsqueeze(-1) * rope_inverse_frequencies(args)
-    return torch.complex(torch.cos(angles), torch.sin(angles))
-
-
 def rope_at(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), fp32 [*positions.shape, 1, head_dim], of the angles pos * freq for the frequencies
     of ``rope_inverse_frequencies``, laid out for ``apply_rope``: each pair's angle at both of its
@@ -306,8 +300,7 @@ class MoE(nn.Module):
         # [E + 1] shape, unlike bincount's)
         bounds = torch.arange(self.router_DE.shape[1] + 1, device=x_aD.device)
         offsets = torch.searchsorted(experts_T[order_T], bounds)
-        token_T = order_T // self.top_k if self.top_k > 1 else order_T
-        return token_T, scores_aK.flatten()[order_T], offsets
+        return order_T // self.top_k, scores_aK.flatten()[order_T], offsets
 
     def forward(self, x_bsD: torch.Tensor) -> torch.Tensor:
         shape = x_bsD.shape
