@@ -331,7 +331,6 @@ static const int kGemvTileN = 16;
 // 0.78-0.81x, a bf16 512 x 2048 layer 0.83-0.86x (larger bf16 layers unchanged); a whole decode
 // step of the bench preset 0.97x (int4_all) and 0.95x (int4_all_a8), medians of 72 steps.
 
-
 template <int WF, int SF>
 static void gemv_impl(const LlkArgs& a) {
     const Tables& t = tables();
