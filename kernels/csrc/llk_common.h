@@ -61,8 +61,8 @@ static inline uint16_t bf16_bits(float f) {  // exact for every value used in th
 // Threads worth waking for `bytes` of weights: a fork/join costs little on an idle machine, but
 // on a loaded one the second thread may wait a whole scheduler slice (~10 ms) to run, so tiny
 // jobs stay on the calling thread. 256 KiB per thread: one core's int4 GEMV cannot keep up with
-// the memory alone, and a 512 x 2048 layer (wk / wv of the bench preset, 512 KiB) took 106 us on one thread and 73
-// on two (2 AMD EPYC cores; with int8 activations 68 -> 37 us).
+// the memory alone, and a 512 x 2048 layer (wk / wv of the bench preset, 512 KiB) took 106 us on
+// one thread and 73 on two (2 AMD EPYC cores; with int8 activations 68 -> 37 us).
 static inline int threads_for(int64_t bytes, int nthreads) {
     const int64_t per_thread = 1 << 18;
     return (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, bytes / per_thread));
