@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,6 +21,45 @@ def make_checkpoint(root: Path, name: str, **kwargs) -> Path:
     if not path.exists():
         write_random_checkpoint(path, **kwargs)
     return path
+
+
+@contextmanager
+def same_routing(follower, leader):
+    """Every MoE layer of `follower` routes as the same layer of `leader` did in its last call (so
+    call `leader` first, on the same tokens). For comparing two models that should agree within
+    rounding: a top-k choice is discontinuous, so a near-tie between two experts' logits can go
+    either way within bf16 rounding of the layer's input (seen on AMD EPYC Zen 4: 2.2812 / 2.2812
+    in one model, 2.2500 / 2.2656 in the other) and send a token through another expert. Yields a
+    list to which each token whose own choice differs appends (its row in the call's flattened
+    [B * S] tokens, the leader's top-k margin: the gap below its k-th logit relative to its largest
+    logit); a test asserts those margins are small for real tokens (padding's routing is noise)."""
+    flips: list[float] = []
+    pinned = []
+    for layer_f, layer_l in zip(follower.layers, leader.layers):
+        moe_f, moe_l = layer_f.feed_forward, layer_l.feed_forward
+        if not hasattr(moe_l, "route"):
+            continue
+        last = {}
+
+        def lead(x, moe=moe_l, last=last):
+            last["logits"], last["out"] = (x @ moe.router_DE).float(), type(moe).route(moe, x)
+            return last["out"]
+
+        def follow(x, moe=moe_f, last=last):
+            own = torch.topk((x @ moe.router_DE).float(), moe.top_k, dim=-1).indices.sort(-1).values
+            ref = last["logits"]
+            for row in torch.nonzero((own != ref.topk(moe.top_k, dim=-1).indices.sort(-1).values).any(-1)).flatten():
+                top = ref[row].topk(moe.top_k + 1).values
+                flips.append((int(row), ((top[-2] - top[-1]) / ref[row].abs().max()).item()))
+            return last["out"]
+
+        moe_l.route, moe_f.route = lead, follow
+        pinned += [moe_l, moe_f]
+    try:
+        yield flips
+    finally:
+        for moe in pinned:
+            del moe.route
 
 
 def free_port() -> int:
