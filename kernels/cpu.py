@@ -96,6 +96,14 @@ GEMV_MAX_ROWS = {
     "avx512": {W_INT4: 16, W_FP4: 16, W_FP8: 16},
     "avx2": {W_INT4: 64, W_FP4: 64, W_FP8: 64},
 }
+# How each path's GEMV multiplies bf16 activations (few rows per expert, weights not activations
+# quantized): "fp32" decodes weights to fp32 in registers for fp32 FMAs (llk_gemv), "bf16" decodes
+# them to bf16 (exact for every format) for vdpbf16ps with fp32 sums, int4's group scales applied
+# to each group's sum (llk_gemv_dp). Chosen per CPU kind by measurement: on the AMX Xeons we ran,
+# vdpbf16ps ran at half the fp32 FMA's rate; on AMD EPYC Zen 4 (the avx512 path) the bf16 GEMV
+# takes 0.6-0.8x the fp32 one's time at batch 1 and ~0.5x at batch 8 (scripts.bench_kernels).
+# fp32 activations take the fp32 GEMV everywhere.
+GEMV_DOT = {"amx": "fp32", "avx512": "bf16", "avx2": "fp32"}
 # Activation rows up to which a bf16 weight goes through a library's GEMV rather than PyTorch's
 # GEMM: oneDNN's bf16 GEMM is fast with AVX512-BF16 / AMX, and on AVX2 alone slower than the GEMV
 # even at 64 rows (measured ~4x at 8-64 rows on AMD EPYC Zen 3).
@@ -260,6 +268,10 @@ _perm_cache: dict[tuple, torch.Tensor] = {}
 
 def _block_order_avx512(order: str, wfmt: int) -> torch.Tensor:
     """K positions of one 64-byte weight block, in the order llk.cpp's decoders produce them."""
+    if order == "dp":  # int4 for llk_gemv_dp: z[j] word 8L+t <- 2 (16L + 8 (j % 2) + t) + j / 2
+        assert wfmt == W_INT4
+        j, lane, t = torch.meshgrid(torch.arange(4), torch.arange(4), torch.arange(8), indexing="ij")
+        return (2 * (16 * lane + 8 * (j % 2) + t) + j // 2).flatten()
     if order == "tile":
         if wfmt == W_FP8:  # z[j] word 8L+t <- 16L+8j+t
             j, lane, t = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(8), indexing="ij")
@@ -303,6 +315,13 @@ def _permute(x: torch.Tensor, lib: str, order: str, wfmt: int) -> torch.Tensor:
             return x.contiguous()  # fp8 decodes in K order
         return x.index_select(1, perm)
     return torch.cat((x, x.new_zeros(x.shape[0], 1)), dim=1).index_select(1, perm)
+
+
+def _dp_order(form: dict) -> str:
+    """The activation order llk_gemv_dp reads for this weight: "dp" for int4 with bf16 / fp32 group
+    scales of a multiple of 128 values (its shuffle-light decoder), else the tile order."""
+    dp = form["wfmt"] == W_INT4 and form["sfmt"] != S_E4M3 and form["gs"] % 128 == 0
+    return "dp" if dp else "tile"
 
 
 def _split_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -416,6 +435,9 @@ def _decode_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[di
         lib_name = "avx2" if form["path"] == "avx2" else "avx512"
         if form["act"] == "int8":  # the AVX2 library's integer GEMV on every path; it reads K order
             perm, fn = torch.arange(form["k"]), library("avx2").llk_gemv_q8_bf16io
+        elif GEMV_DOT[form["path"]] == "bf16":
+            perm = _perm("avx512", _dp_order(form), form["wfmt"], form["k"])
+            fn = gemv_lib(form["path"]).llk_gemv_dp_bf16io
         else:
             perm, fn = _perm(lib_name, "gemv", form["wfmt"], form["k"]), gemv_lib(form["path"]).llk_gemv_bf16io
             if lib_name == "avx2" and form["wfmt"] == W_FP8:
@@ -465,8 +487,13 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
     if any(small):
         starts = _rows_array([off[i] if small[i] else 0 for i in range(e1)])
         ends = _rows_array([off[i + 1] if small[i] else 0 for i in range(e1)])
-        xg = _permute(xa, lib_name, "gemv", wfmt)
-        _check(lib.llk_gemv(ctypes.byref(_args(form, xg, tok, out, starts, ends, form3))), "llk_gemv")
+        # quantized activations (e4m3 values; e2m1 x e4m3) are exact in bf16, as bf16 x is
+        if GEMV_DOT[path] == "bf16" and (form["act"] is not None or x.dtype == torch.bfloat16):
+            xg = _permute(xa.to(torch.bfloat16) if form["act"] is not None else x, "avx512", _dp_order(form), wfmt)
+            _check(lib.llk_gemv_dp(ctypes.byref(_args(form, xg, tok, out, starts, ends, form3))), "llk_gemv_dp")
+        else:
+            xg = _permute(xa, lib_name, "gemv", wfmt)
+            _check(lib.llk_gemv(ctypes.byref(_args(form, xg, tok, out, starts, ends, form3))), "llk_gemv")
     large = [i for i in range(e1) if counts[i] > limit]
     if not large:
         return out

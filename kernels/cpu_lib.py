@@ -148,7 +148,9 @@ def _declare(lib: ctypes.CDLL, kind: str) -> None:
         ("llk_quant_nvfp4_rows", [vp, i64, i64, i64, vp, vp, i64, ctypes.c_int], ctypes.c_int),
     ]
     own = {
-        "avx512": [("llk_amx_init", [], ctypes.c_int), ("llk_amx", [args, i64, i64], ctypes.c_int)],
+        "avx512": [("llk_amx_init", [], ctypes.c_int), ("llk_amx", [args, i64, i64], ctypes.c_int),
+                   ("llk_gemv_dp", [args], ctypes.c_int),
+                   ("llk_gemv_dp_bf16io", [args, vp, i64, i64, vp, i64, vp, i64], ctypes.c_int)],
         "avx2": [("llk_gemv_order", [ctypes.c_int, vp], ctypes.c_int), ("llk_gemv_q8", [args], ctypes.c_int),
                  ("llk_gemv_q8_bf16io", [args, vp, i64, i64, vp, i64, vp, i64], ctypes.c_int),
                  ("llk_dequant_f32", [args, i64, i64, i64, vp, i64], ctypes.c_int),

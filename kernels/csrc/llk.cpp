@@ -42,6 +42,7 @@ struct Tables {
     float e4m3[256];
     alignas(64) uint16_t fp4_times_e4m3[256][16];  // bf16(e2m1 value n * e4m3 code c) at [c][n], exact
     alignas(64) float fp4_times_e4m3_f32[256][16];  // the same products in fp32
+    __m512i int4_bf16_hi, int4_bf16_lo;         // nibble -> high / low byte of bf16 int4 value (vpshufb)
 };
 
 static Tables make_tables() {
@@ -66,6 +67,13 @@ static Tables make_tables() {
         t.fp8_hi[i] = _mm512_load_si512(f8h + 64 * i);
         t.fp8_lo[i] = _mm512_load_si512(f8l + 64 * i);
     }
+    alignas(64) uint8_t i4h[64], i4l[64];
+    for (int j = 0; j < 64; j++) {
+        const uint16_t v = bf16_bits(i4f[j % 16]);
+        i4h[j] = v >> 8, i4l[j] = v & 0xFF;
+    }
+    t.int4_bf16_hi = _mm512_load_si512(i4h);
+    t.int4_bf16_lo = _mm512_load_si512(i4l);
     for (int b = 0; b < 256; b++) t.e4m3[b] = e4m3_value(b);
     for (int c = 0; c < 256; c++)
         for (int n = 0; n < 16; n++) {
@@ -191,6 +199,19 @@ static inline void decode4_block(const uint8_t* p, int64_t rem, const void* srow
             table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
         }
         z[c] = _mm512_permutexvar_epi16(nibble_words(p + 16 * c, rem - 16 * c), table);
+    }
+}
+
+// One 64-byte block of an int4 row (no scales) -> 4 x 32 bf16 in "dp" order, with in-lane byte
+// lookups only (vpshufb, vpunpck*bw: cheaper than vpsrlvw + vpermw on AMD Zen 4): z[j] word 8L + t
+// holds K 2 (16 L + 8 (j % 2) + t) + j / 2 (L: 128-bit lane, t < 8; j / 2 = 1: the high nibbles).
+static inline void decode4_dp(const uint8_t* p, const Tables& t, __m512i z[4]) {
+    const __m512i v = _mm512_loadu_si512(p), low4 = _mm512_set1_epi8(0x0F);
+    const __m512i nib[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+    for (int h = 0; h < 2; h++) {
+        const __m512i hi = _mm512_shuffle_epi8(t.int4_bf16_hi, nib[h]), lo = _mm512_shuffle_epi8(t.int4_bf16_lo, nib[h]);
+        z[2 * h] = _mm512_unpacklo_epi8(lo, hi);
+        z[2 * h + 1] = _mm512_unpackhi_epi8(lo, hi);
     }
 }
 
@@ -404,6 +425,139 @@ static void gemv_impl(const LlkArgs& a) {
                 case 2: gemv_tile<WF, SF, 2>(a, e, n0, n1, r, t); break;
                 case 3: gemv_tile<WF, SF, 3>(a, e, n0, n1, r, t); break;
                 default: gemv_tile<WF, SF, 4>(a, e, n0, n1, r, t); break;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// bf16 dot-product GEMV (the avx512 path with bf16 activations; see cpu.py GEMV_DOT)
+//
+// Weights decoded to bf16 in tile order (exact for every format, as for AMX: int4 values, fp8,
+// e2m1 x e4m3 and int4 x e4m3 products) and multiplied with vdpbf16ps: a product of two bf16 is
+// exact in fp32 and the sums are fp32. int4's bf16 / fp32 group scales, not exact in bf16,
+// multiply each group's fp32 sum (FLUSH). Per 32 weights one broadcast, one shift, one vpermw and
+// one dot product (against two loads, two shifts, two vpermps and two FMAs in fp32), and at 8
+// rows half the multiply instructions. x is bf16 in tile order, kp = whole blocks, zero padded.
+
+template <int WF, int SF, int MR>
+static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, const uint16_t* x,
+                          const Tables& t, float res[MR]) {
+    constexpr bool FOLD = WF == W_FP4 || (WF == W_INT4 && SF == S_E4M3);
+    constexpr bool FLUSH = WF == W_INT4 && !FOLD;
+    constexpr int NA = MR >= 4 ? 1 : 2;  // accumulators per row: enough independent chains, no spills
+    const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
+    const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
+    const void* srow = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int64_t nblk = (row_bytes + 63) / 64;
+    const int64_t ngroups = a.gs > 0 ? a.K / a.gs : 0;
+    __m512 acc[MR][NA], tot[MR];
+    for (int m = 0; m < MR; m++) {
+        for (int j = 0; j < NA; j++) acc[m][j] = _mm512_setzero_ps();
+        tot[m] = _mm512_setzero_ps();
+    }
+    auto dot = [&](int64_t off, __m512i z, int j) {  // x columns [off, off + 32) against z
+        for (int m = 0; m < MR; m++)
+            acc[m][j % NA] = _mm512_dpbf16_ps(acc[m][j % NA], (__m512bh)z, (__m512bh)_mm512_loadu_si512(x + m * a.ldx + off));
+    };
+    auto flush = [&](int64_t g) {  // tot += (this group's sum) * its scale
+        const __m512 sc = _mm512_set1_ps(scale_at<SF>(srow, std::min<int64_t>(g, ngroups - 1), t));
+        for (int m = 0; m < MR; m++) {
+            __m512 sum = acc[m][0];
+            for (int j = 1; j < NA; j++) sum = _mm512_add_ps(sum, acc[m][j]);
+            tot[m] = _mm512_fmadd_ps(sum, sc, tot[m]);
+            for (int j = 0; j < NA; j++) acc[m][j] = _mm512_setzero_ps();
+        }
+    };
+    if (WF == W_FP8) {
+        for (int64_t blk = 0; blk < nblk; blk++) {
+            __m512i z[2];
+            prefetch(wrow + 64 * blk);
+            decode8_bf16(wrow + 64 * blk, mask64(row_bytes - 64 * blk), t, z);
+            dot(64 * blk, z[0], 0);
+            dot(64 * blk + 32, z[1], 1);
+        }
+    } else if (FLUSH && a.gs % 128 == 0) {
+        // the common case: whole blocks per group, one flush per group; x in "dp" order
+        const int64_t bpg = a.gs / 128;
+        for (int64_t g = 0; g < ngroups; g++) {
+            for (int64_t blk = g * bpg; blk < (g + 1) * bpg; blk++) {
+                __m512i z[4];
+                prefetch(wrow + 64 * blk);
+                decode4_dp(wrow + 64 * blk, t, z);
+                for (int c = 0; c < 4; c++) dot(128 * blk + 32 * c, z[c], c);
+            }
+            flush(g);
+        }
+    } else {
+        const int64_t kc = (a.K + 31) / 32;  // chunks holding K values
+        const int64_t cpg = FLUSH ? a.gs / 32 : kc;
+        int64_t left = cpg;                  // chunks before the current group ends
+        for (int64_t blk = 0; blk < nblk; blk++) {
+            __m512i z[4];
+            prefetch(wrow + 64 * blk);
+            decode4_block<WF, SF, FOLD>(wrow + 64 * blk, row_bytes - 64 * blk, srow, blk, a.gs, ngroups, t, z);
+            for (int c = 0; c < 4; c++) {
+                const int64_t cg = 4 * blk + c;
+                if (cg >= kc) break;
+                dot(32 * cg, z[c], c);
+                if (FLUSH && (--left == 0 || cg + 1 == kc)) flush(cg / cpg), left = cpg;
+            }
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        __m512 sum = FLUSH ? tot[m] : acc[m][0];
+        if (!FLUSH)
+            for (int j = 1; j < NA; j++) sum = _mm512_add_ps(sum, acc[m][j]);
+        res[m] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+template <int WF, int SF, int MR>
+static void dp_tile(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, int64_t r0, const Tables& t) {
+    const uint16_t* x = (const uint16_t*)a.x + r0 * a.ldx;
+    const bool swiglu = a.w3.w != nullptr;
+    for (int64_t n = n0; n < n1; n++) {
+        float r1[MR], r3[MR];
+        dp_row<WF, SF, MR>(a, a.w1, e, n, x, t, r1);
+        const float f1 = factor(a.w1, e, n);
+        if (swiglu) dp_row<WF, SF, MR>(a, a.w3, e, n, x, t, r3);
+        const float f3 = swiglu ? factor(a.w3, e, n) : 0.0f;
+        for (int m = 0; m < MR; m++) {
+            const float ts = a.tokscale ? a.tokscale[r0 + m] : 1.0f;
+            float v = r1[m] * f1 * ts;
+            if (swiglu) v = silu(v) * (r3[m] * f3 * ts);
+            a.out[(r0 + m) * a.ldo + n] = v;
+        }
+    }
+}
+
+static const int kDpRows = 8;  // activation rows per register tile (one decode feeds them all)
+
+template <int WF, int SF>
+static void dp_impl(const LlkArgs& a) {
+    const Tables& t = tables();
+    std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first row); empty experts: none
+    for (int64_t e = 0; e < a.E; e++)
+        if (a.row_end[e] > a.row_start[e])
+            for (int64_t n = 0; n < a.N; n += kGemvTileN) items.emplace_back(e, n);
+    const int64_t n_items = (int64_t)items.size();
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int nt = threads_for(n_items * kGemvTileN * row_bytes * (a.w3.w ? 2 : 1), a.nthreads);
+#pragma omp parallel for schedule(guided) num_threads(nt)
+    for (int64_t i = 0; i < n_items; i++) {
+        const int64_t e = items[i].first, n0 = items[i].second, n1 = std::min<int64_t>(n0 + kGemvTileN, a.N);
+        for (int64_t r = a.row_start[e]; r < a.row_end[e]; r += kDpRows) {
+            switch ((int)std::min<int64_t>(kDpRows, a.row_end[e] - r)) {
+                case 1: dp_tile<WF, SF, 1>(a, e, n0, n1, r, t); break;
+                case 2: dp_tile<WF, SF, 2>(a, e, n0, n1, r, t); break;
+                case 3: dp_tile<WF, SF, 3>(a, e, n0, n1, r, t); break;
+                case 4: dp_tile<WF, SF, 4>(a, e, n0, n1, r, t); break;
+                case 5: dp_tile<WF, SF, 5>(a, e, n0, n1, r, t); break;
+                case 6: dp_tile<WF, SF, 6>(a, e, n0, n1, r, t); break;
+                case 7: dp_tile<WF, SF, 7>(a, e, n0, n1, r, t); break;
+                default: dp_tile<WF, SF, 8>(a, e, n0, n1, r, t); break;
             }
         }
     }
@@ -789,7 +943,7 @@ static void gemv_bf16(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, cons
                       uint16_t* out, int64_t ldo, int nthreads) {
     const int64_t tile = 16, n_items = (N + tile - 1) / tile;
     const int nt = threads_for(N * K * 2, nthreads);
-#pragma omp parallel for schedule(dynamic, 8) num_threads(nt)
+#pragma omp parallel for schedule(guided) num_threads(nt)
     for (int64_t i = 0; i < n_items; i++) {
         const int64_t n0 = i * tile, n1 = std::min<int64_t>(n0 + tile, N);
         for (int64_t r = 0; r < M; r += 4) {
@@ -865,6 +1019,32 @@ int llk_gemv(const LlkArgs* a) {
 int llk_gemv_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x, int64_t ldx,
                     uint16_t* out, int64_t ldo) {
     return gemv_bf16_io(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv);
+}
+
+// Few rows per expert, bf16 x in tile order (kp wide): the bf16 dot-product GEMV.
+int llk_gemv_dp(const LlkArgs* a) {
+    if (!supported(a)) return -1;
+    LLK_DISPATCH(dp_impl, *a);
+    return 0;
+}
+
+// llk_gemv_dp for bf16 x in K order and bf16 results: x gathered into tile order by `perm` ([kp];
+// an entry >= K is a zero pad), the fp32 results rounded to bf16 (as gemv_bf16_io).
+int llk_gemv_dp_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x,
+                       int64_t ldx, uint16_t* out, int64_t ldo) {
+    thread_local std::vector<uint16_t> xt;
+    thread_local std::vector<float> of;
+    xt.resize((size_t)(rows * kp));
+    of.resize((size_t)(rows * a->N));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < kp; j++) xt[r * kp + j] = perm[j] < a->K ? x[r * ldx + perm[j]] : 0;
+    LlkArgs b = *a;
+    b.x = xt.data(), b.ldx = kp, b.out = of.data(), b.ldo = a->N;
+    const int rc = llk_gemv_dp(&b);
+    if (rc) return rc;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t n = 0; n < a->N; n++) out[r * ldo + n] = round_bf16(of[r * a->N + n]);
+    return 0;
 }
 
 // Rows of one expert e with AMX: x is bf16 in tile order, `kp` (a multiple of 32) wide.

@@ -345,6 +345,29 @@ def test_nvfp4_k_not_a_multiple_of_32(isa):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_activations_keep_fp32_numerics(fmt, lib_isa):
+    """bf16 activations (decode in a bf16 model) through the GEMV the path picks for them
+    (cpu.GEMV_DOT: fp32 FMAs, or weights decoded to bf16 for vdpbf16ps with int4's group scales on
+    each group's fp32 sum), read in fp32 before any rounding: the fp32 bound against the reference
+    on the same values, for 1 to 17 rows per expert, K not a multiple of 256 and empty experts."""
+    for k in (128, 640):
+        w = FORMATS[fmt](40, k, lead=(3,), seed=k + 7)
+        form = cpu._form(w)
+        if form["path"] == "torch":  # no C kernel for this layout (test_linear_matches_reference covers it)
+            assert fmt == "int4_a8_g32"
+            return
+        for counts in ([1, 0, 2], [5, 8, 0], [17, 1, 3]):
+            off = [0, counts[0], counts[0] + counts[1], sum(counts)]
+            x = torch.randn(off[-1], k, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(sum(counts)))
+            ref = R.grouped_linear(x.float(), torch.tensor(off), w)
+            absdot = torch.zeros_like(ref)
+            for e in (e for e in range(3) if off[e + 1] > off[e]):
+                we = select_expert(w, e)
+                absdot[off[e] : off[e + 1]] = effective_x(x[off[e] : off[e + 1]].float(), we).abs() @ dequantize_weight(we).abs().T
+            assert_close(cpu._run(form, x, off), ref, absdot, EXACT)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_entry_gives_the_general_paths_bits(fmt, lib_isa):
     """One library call for decode (bf16 x in, bf16 out: cpu._decode_bf16) returns the bits of the
     general path (PyTorch's widening and gather, the fp32 GEMV, PyTorch's rounding), for dense and
