@@ -9,7 +9,9 @@ the default is the best this CPU has, and a cap above what the CPU has is refuse
   to bf16 (exact for every format) into an L1 buffer and multiplied on AMX with fp32
   accumulation; int4's group scales, not exact in bf16, are applied to each group's fp32 sum.
 * ``avx512`` (AVX-512 with BF16 and VBMI, no AMX: AMD Zen 4/5, Ice Lake; ``llk.cpp``): the same
-  GEMV; more rows: fp32 weight tiles from the AVX2 library and PyTorch's fp32 GEMM.
+  GEMV for fp32 activations; bf16 (and fp8 / nvfp4-quantized) activations through ``llk_gemv_dp``:
+  weights decoded to bf16, exactly, for vdpbf16ps with fp32 sums (``GEMV_DOT``); more rows: fp32
+  weight tiles from the AVX2 library and PyTorch's fp32 GEMM.
 * ``avx2`` (AVX2 + FMA + F16C: most laptops, AMD Zen 1-3; ``llk_avx2.cpp``): a GEMV of the same
   numerics built from 256-bit shuffles and FMAs; more rows: its fp32 weight tiles and PyTorch's
   fp32 GEMM.

@@ -4,9 +4,11 @@
 // Needs AVX-512 F/BW/VL/DQ + AVX512_BF16 + AVX512_VBMI; AMX-BF16 when present. Python checks
 // the CPU before loading and picks the path; every function here trusts its arguments.
 //
-// Three ways to multiply, chosen per expert by the number of activation rows (see cpu.py):
+// Ways to multiply, chosen per expert by the number of activation rows and per CPU (see cpu.py):
 //  * gemv_*   (1-2 rows, decode): weights decoded straight to fp32 in registers and fed to FMAs.
 //    On the Xeons we measured, vdpbf16ps runs at half the MAC rate of fp32 FMA, so fp32 it is.
+//  * dp_*     (decode with bf16 activations, on AMD Zen 4): weights decoded to bf16 (exact) for
+//    vdpbf16ps, which there matches the fp32 FMA's MAC rate while the decode costs half as much.
 //  * amx_*    (more rows): 32 weight rows x 128-256 K values at a time are decoded to bf16
 //    (exact for every format) into an L1 buffer, then AMX multiplies them with every 16-row
 //    slice of the activations. Group scales that do not fold exactly into bf16 (int4) are
