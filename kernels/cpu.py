@@ -270,10 +270,10 @@ _perm_cache: dict[tuple, torch.Tensor] = {}
 
 def _block_order_avx512(order: str, wfmt: int) -> torch.Tensor:
     """K positions of one 64-byte weight block, in the order llk.cpp's decoders produce them."""
-    if order == "dp":  # int4 for llk_gemv_dp: z[j] word 8L+t <- 2 (16L + 8 (j % 2) + t) + j / 2
+    if order == "dp":  # int4 for llk_gemv_dp: z[j] word w <- 4w + j
         assert wfmt == W_INT4
-        j, lane, t = torch.meshgrid(torch.arange(4), torch.arange(4), torch.arange(8), indexing="ij")
-        return (2 * (16 * lane + 8 * (j % 2) + t) + j // 2).flatten()
+        j, w = torch.meshgrid(torch.arange(4), torch.arange(32), indexing="ij")
+        return (4 * w + j).flatten()
     if order == "tile":
         if wfmt == W_FP8:  # z[j] word 8L+t <- 16L+8j+t
             j, lane, t = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(8), indexing="ij")
@@ -320,10 +320,9 @@ def _permute(x: torch.Tensor, lib: str, order: str, wfmt: int) -> torch.Tensor:
 
 
 def _dp_order(form: dict) -> str:
-    """The activation order llk_gemv_dp reads for this weight: "dp" for int4 with bf16 / fp32 group
-    scales of a multiple of 128 values (its shuffle-light decoder), else the tile order."""
-    dp = form["wfmt"] == W_INT4 and form["sfmt"] != S_E4M3 and form["gs"] % 128 == 0
-    return "dp" if dp else "tile"
+    """The activation order llk_gemv_dp reads for this weight: "dp" for int4 / w4a8 with groups of
+    a multiple of 128 values (its one-lookup-per-32-values decoder), else the tile order."""
+    return "dp" if form["wfmt"] == W_INT4 and form["gs"] % 128 == 0 else "tile"
 
 
 def _split_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -204,17 +204,17 @@ static inline void decode4_block(const uint8_t* p, int64_t rem, const void* srow
     }
 }
 
-// One 64-byte block of an int4 row (no scales) -> 4 x 32 bf16 in "dp" order, with in-lane byte
-// lookups only (vpshufb, vpunpck*bw: cheaper than vpsrlvw + vpermw on AMD Zen 4): z[j] word 8L + t
-// holds K 2 (16 L + 8 (j % 2) + t) + j / 2 (L: 128-bit lane, t < 8; j / 2 = 1: the high nibbles).
-static inline void decode4_dp(const uint8_t* p, const Tables& t, __m512i z[4]) {
-    const __m512i v = _mm512_loadu_si512(p), low4 = _mm512_set1_epi8(0x0F);
-    const __m512i nib[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
-    for (int h = 0; h < 2; h++) {
-        const __m512i hi = _mm512_shuffle_epi8(t.int4_bf16_hi, nib[h]), lo = _mm512_shuffle_epi8(t.int4_bf16_lo, nib[h]);
-        z[2 * h] = _mm512_unpacklo_epi8(lo, hi);
-        z[2 * h + 1] = _mm512_unpackhi_epi8(lo, hi);
-    }
+// One 64-byte block of an int4 row (no scales) -> 4 x 32 bf16 in "dp" order: z[j] word w holds
+// K 4 w + j. Word w of the block holds K 4w .. 4w + 3 in its four nibbles; shifting it right by 4j
+// (an immediate shift) puts nibble j in the low bits, and vpermw reads the low 5 bits of each
+// index word (the table is duplicated, so bit 4 does not matter): one lookup per 32 values.
+// `table`: the 16 bf16 values, duplicated (t.int4_bf16, or w4a8's values times their group scale).
+static inline void decode4_dp(const uint8_t* p, __m512i table, __m512i z[4]) {
+    const __m512i v = _mm512_loadu_si512(p);
+    z[0] = _mm512_permutexvar_epi16(v, table);
+    z[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+    z[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table);
+    z[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table);
 }
 
 // Decode `nrows` weight rows of expert e, starting at row n0, to bf16 rows of `ld` elements (tile
@@ -480,17 +480,23 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
             dot(64 * blk, z[0], 0);
             dot(64 * blk + 32, z[1], 1);
         }
-    } else if (FLUSH && a.gs % 128 == 0) {
-        // the common case: whole blocks per group, one flush per group; x in "dp" order
+    } else if (WF == W_INT4 && a.gs % 128 == 0) {
+        // the common case: whole blocks per group; x in "dp" order. int4: one flush per group;
+        // w4a8: the group's e4m3 scale folded into the table (exact in bf16)
         const int64_t bpg = a.gs / 128;
+        __m512i table = t.int4_bf16;
         for (int64_t g = 0; g < ngroups; g++) {
+            if (FOLD) {
+                const __m512 v = _mm512_mul_ps(t.int4_f32, _mm512_set1_ps(scale_at<SF>(srow, g, t)));
+                table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+            }
             for (int64_t blk = g * bpg; blk < (g + 1) * bpg; blk++) {
                 __m512i z[4];
                 prefetch(wrow + 64 * blk);
-                decode4_dp(wrow + 64 * blk, t, z);
+                decode4_dp(wrow + 64 * blk, table, z);
                 for (int c = 0; c < 4; c++) dot(128 * blk + 32 * c, z[c], c);
             }
-            flush(g);
+            if (FLUSH) flush(g);
         }
     } else {
         const int64_t kc = (a.K + 31) / 32;  // chunks holding K values
