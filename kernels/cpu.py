@@ -259,7 +259,8 @@ def describe(w: Weight) -> str:
         return f"cpu/none{why}: PyTorch, fp32 tiles of {TORCH_TILE_N} rows"
     rows = GEMV_MAX_ROWS[path][form["wfmt"]]
     big = "AMX fused dequant-GEMM" if path == "amx" else "fp32 weight tiles + PyTorch fp32 GEMM"
-    return f"cpu/{path}: fp32-FMA fused dequant-GEMV up to {rows} rows per expert, {big} above"
+    gemv = "fp32-FMA" if GEMV_DOT[path] == "fp32" else "bf16-dot (vdpbf16ps; fp32 FMA for fp32 activations)"
+    return f"cpu/{path}: {gemv} fused dequant-GEMV up to {rows} rows per expert, {big} above"
 
 
 # ---- activation preparation
@@ -270,8 +271,8 @@ _perm_cache: dict[tuple, torch.Tensor] = {}
 
 def _block_order_avx512(order: str, wfmt: int) -> torch.Tensor:
     """K positions of one 64-byte weight block, in the order llk.cpp's decoders produce them."""
-    if order == "dp":  # int4 for llk_gemv_dp: z[j] word w <- 4w + j
-        assert wfmt == W_INT4
+    if order == "dp":  # int4 / e2m1 for llk_gemv_dp: z[j] word w <- 4w + j
+        assert wfmt in (W_INT4, W_FP4)
         j, w = torch.meshgrid(torch.arange(4), torch.arange(32), indexing="ij")
         return (4 * w + j).flatten()
     if order == "tile":
@@ -321,8 +322,11 @@ def _permute(x: torch.Tensor, lib: str, order: str, wfmt: int) -> torch.Tensor:
 
 def _dp_order(form: dict) -> str:
     """The activation order llk_gemv_dp reads for this weight: "dp" for int4 / w4a8 with groups of
-    a multiple of 128 values (its one-lookup-per-32-values decoder), else the tile order."""
-    return "dp" if form["wfmt"] == W_INT4 and form["gs"] % 128 == 0 else "tile"
+    a multiple of 128 values and nvfp4 with K a multiple of 128 (its one-lookup-per-32-values
+    decoder), else the tile order."""
+    if form["wfmt"] == W_INT4 and form["gs"] % 128 == 0 or form["wfmt"] == W_FP4 and form["k"] % 128 == 0:
+        return "dp"
+    return "tile"
 
 
 def _split_bf16(x: torch.Tensor) -> torch.Tensor:

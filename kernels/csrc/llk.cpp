@@ -44,7 +44,7 @@ struct Tables {
     float e4m3[256];
     alignas(64) uint16_t fp4_times_e4m3[256][16];  // bf16(e2m1 value n * e4m3 code c) at [c][n], exact
     alignas(64) float fp4_times_e4m3_f32[256][16];  // the same products in fp32
-    __m512i int4_bf16_hi, int4_bf16_lo;         // nibble -> high / low byte of bf16 int4 value (vpshufb)
+    __m512i fp4_bf16;                          // nibble -> bf16 e2m1 value (vpermw; duplicated)
 };
 
 static Tables make_tables() {
@@ -69,13 +69,9 @@ static Tables make_tables() {
         t.fp8_hi[i] = _mm512_load_si512(f8h + 64 * i);
         t.fp8_lo[i] = _mm512_load_si512(f8l + 64 * i);
     }
-    alignas(64) uint8_t i4h[64], i4l[64];
-    for (int j = 0; j < 64; j++) {
-        const uint16_t v = bf16_bits(i4f[j % 16]);
-        i4h[j] = v >> 8, i4l[j] = v & 0xFF;
-    }
-    t.int4_bf16_hi = _mm512_load_si512(i4h);
-    t.int4_bf16_lo = _mm512_load_si512(i4l);
+    alignas(64) uint16_t f4b[32];
+    for (int n = 0; n < 32; n++) f4b[n] = bf16_bits(f4f[n % 16]);
+    t.fp4_bf16 = _mm512_load_si512(f4b);
     for (int b = 0; b < 256; b++) t.e4m3[b] = e4m3_value(b);
     for (int c = 0; c < 256; c++)
         for (int n = 0; n < 16; n++) {
@@ -208,7 +204,8 @@ static inline void decode4_block(const uint8_t* p, int64_t rem, const void* srow
 // K 4 w + j. Word w of the block holds K 4w .. 4w + 3 in its four nibbles; shifting it right by 4j
 // (an immediate shift) puts nibble j in the low bits, and vpermw reads the low 5 bits of each
 // index word (the table is duplicated, so bit 4 does not matter): one lookup per 32 values.
-// `table`: the 16 bf16 values, duplicated (t.int4_bf16, or w4a8's values times their group scale).
+// `table`: the 16 bf16 values, duplicated (t.int4_bf16, w4a8's values times their group scale, or
+// t.fp4_bf16).
 static inline void decode4_dp(const uint8_t* p, __m512i table, __m512i z[4]) {
     const __m512i v = _mm512_loadu_si512(p);
     z[0] = _mm512_permutexvar_epi16(v, table);
@@ -498,6 +495,27 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
             }
             if (FLUSH) flush(g);
         }
+    } else if (WF == W_FP4 && a.K % 128 == 0) {
+        // nvfp4, "dp" order: e2m1 values to bf16 unscaled; fp32 lane i of a dot product sums words
+        // 2i, 2i + 1, i.e. K values of group 8 blk + i / 2 only, so each block's products are
+        // summed in fresh registers and multiplied by a vector of the groups' scales (lane i:
+        // group i / 2), the way int4's group sums are
+        const uint8_t* s8 = (const uint8_t*)srow;
+        const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        for (int64_t blk = 0; blk < nblk; blk++) {
+            __m512i z[4];
+            prefetch(wrow + 64 * blk);
+            decode4_dp(wrow + 64 * blk, t.fp4_bf16, z);
+            const __m512 sv = _mm512_permutexvar_ps(pairs, load_e4m3(s8 + 8 * blk, 8));
+            for (int m = 0; m < MR; m++) {
+                const uint16_t* xb = x + m * a.ldx + 128 * blk;
+                __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[0], (__m512bh)_mm512_loadu_si512(xb));
+                __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[1], (__m512bh)_mm512_loadu_si512(xb + 32));
+                d0 = _mm512_dpbf16_ps(d0, (__m512bh)z[2], (__m512bh)_mm512_loadu_si512(xb + 64));
+                d1 = _mm512_dpbf16_ps(d1, (__m512bh)z[3], (__m512bh)_mm512_loadu_si512(xb + 96));
+                tot[m] = _mm512_fmadd_ps(_mm512_add_ps(d0, d1), sv, tot[m]);
+            }
+        }
     } else {
         const int64_t kc = (a.K + 31) / 32;  // chunks holding K values
         const int64_t cpg = FLUSH ? a.gs / 32 : kc;
@@ -514,10 +532,9 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
             }
         }
     }
-    for (int m = 0; m < MR; m++) {
-        __m512 sum = FLUSH ? tot[m] : acc[m][0];
-        if (!FLUSH)
-            for (int j = 1; j < NA; j++) sum = _mm512_add_ps(sum, acc[m][j]);
+    for (int m = 0; m < MR; m++) {  // (tot holds the scaled sums, acc the unscaled ones: one is zero)
+        __m512 sum = tot[m];
+        for (int j = 0; j < NA; j++) sum = _mm512_add_ps(sum, acc[m][j]);
         res[m] = _mm512_reduce_add_ps(sum);
     }
 }
