@@ -103,7 +103,8 @@ GEMV_MAX_ROWS = {
 # them to bf16 (exact for every format) for vdpbf16ps with fp32 sums, int4's group scales applied
 # to each group's sum (llk_gemv_dp). Chosen per CPU kind by measurement: on the AMX Xeons we ran,
 # vdpbf16ps ran at half the fp32 FMA's rate; on AMD EPYC Zen 4 (the avx512 path) the bf16 GEMV
-# takes 0.6-0.8x the fp32 one's time at batch 1 and ~0.5x at batch 8 (scripts.bench_kernels).
+# took 0.47-0.79x the fp32 one's time at batch 1 and 0.39-0.74x at batch 8 (16-expert stack,
+# the two alternating in one process; README "CPU paths").
 # fp32 activations take the fp32 GEMV everywhere.
 GEMV_DOT = {"amx": "fp32", "avx512": "bf16", "avx2": "fp32"}
 # Activation rows up to which a bf16 weight goes through a library's GEMV rather than PyTorch's
