@@ -98,14 +98,14 @@ GEMV_MAX_ROWS = {
     "avx512": {W_INT4: 16, W_FP4: 16, W_FP8: 16},
     "avx2": {W_INT4: 64, W_FP4: 64, W_FP8: 64},
 }
-# How each path's GEMV multiplies bf16 activations (few rows per expert, weights not activations
-# quantized): "fp32" decodes weights to fp32 in registers for fp32 FMAs (llk_gemv), "bf16" decodes
-# them to bf16 (exact for every format) for vdpbf16ps with fp32 sums, int4's group scales applied
-# to each group's sum (llk_gemv_dp). Chosen per CPU kind by measurement: on the AMX Xeons we ran,
-# vdpbf16ps ran at half the fp32 FMA's rate; on AMD EPYC Zen 4 (the avx512 path) the bf16 GEMV
-# took 0.47-0.79x the fp32 one's time at batch 1 and 0.39-0.74x at batch 8 (16-expert stack,
-# the two alternating in one process; README "CPU paths").
-# fp32 activations take the fp32 GEMV everywhere.
+# How each path's GEMV multiplies activations that are exact in bf16 (few rows per expert; bf16
+# activations, or fp8 / nvfp4-quantized ones): "fp32" decodes weights to fp32 in registers for
+# fp32 FMAs (llk_gemv), "bf16" decodes them to bf16 (exact for every format) for vdpbf16ps with
+# fp32 sums, int4's group scales applied to each group's sum (llk_gemv_dp). Chosen per CPU kind
+# by measurement: on the AMX Xeons we ran, vdpbf16ps ran at half the fp32 FMA's rate; on AMD EPYC
+# Zen 4 (the avx512 path) the bf16 GEMV took 0.47-0.79x the fp32 one's time at batch 1 and
+# 0.39-0.74x at batch 8 (16-expert stack, the two alternating in one process; README "CPU
+# paths"). Other fp32 activations take the fp32 GEMV everywhere.
 GEMV_DOT = {"amx": "fp32", "avx512": "bf16", "avx2": "fp32"}
 # Activation rows up to which a bf16 weight goes through a library's GEMV rather than PyTorch's
 # GEMM: oneDNN's bf16 GEMM is fast with AVX512-BF16 / AMX, and on AVX2 alone slower than the GEMV
