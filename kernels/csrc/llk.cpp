@@ -257,8 +257,6 @@ static void decode_rows_bf16(const LlkArgs& a, const LlkWeight& w, int64_t e, in
 // fp8:   per 64 bytes: z[j] split into even words (<< 16) and odd words (& 0xFFFF0000):
 //        vectors z0.even, z0.odd, z1.even, z1.odd; word w of z[j] is K 16(w/8) + 8j + w%8.
 
-static inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
-
 // One weight row against MR activation rows -> res[m] (before alpha/rowscale/tokscale).
 template <int WF, int SF, int MR>
 static inline void gemv_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, const float* x,
@@ -382,51 +380,17 @@ static inline float factor(const LlkWeight& w, int64_t e, int64_t n) {
     return (w.alpha ? w.alpha[e] : 1.0f) * (w.rowscale ? w.rowscale[e * w.r_estride + n] : 1.0f);
 }
 
-template <int WF, int SF, int MR>
-static void gemv_tile(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, int64_t r0, const Tables& t) {
-    const float* x = (const float*)a.x + r0 * a.ldx;
-    const bool swiglu = a.w3.w != nullptr;
-    for (int64_t n = n0; n < n1; n++) {
-        float r1[MR], r3[MR];
-        gemv_row<WF, SF, MR>(a, a.w1, e, n, x, t, r1);
-        const float f1 = factor(a.w1, e, n);
-        if (swiglu) gemv_row<WF, SF, MR>(a, a.w3, e, n, x, t, r3);
-        const float f3 = swiglu ? factor(a.w3, e, n) : 0.0f;
-        for (int m = 0; m < MR; m++) {
-            const float ts = a.tokscale ? a.tokscale[r0 + m] : 1.0f;
-            float v = r1[m] * f1 * ts;
-            if (swiglu) v = silu(v) * (r3[m] * f3 * ts);
-            a.out[(r0 + m) * a.ldo + n] = v;
-        }
-    }
-}
-
 static const int kGemvRows = 4;  // activation rows per register tile
-static const int kGemvTileN = 16;
-
 
 template <int WF, int SF>
 static void gemv_impl(const LlkArgs& a) {
     const Tables& t = tables();
-    std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first row); empty experts: none
-    for (int64_t e = 0; e < a.E; e++)
-        if (a.row_end[e] > a.row_start[e])
-            for (int64_t n = 0; n < a.N; n += kGemvTileN) items.emplace_back(e, n);
-    const int64_t n_items = (int64_t)items.size();
-    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
-    const int nt = threads_for(n_items * kGemvTileN * row_bytes * (a.w3.w ? 2 : 1), a.nthreads);
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
-    for (int64_t i = 0; i < n_items; i++) {
-        const int64_t e = items[i].first, n0 = items[i].second, n1 = std::min<int64_t>(n0 + kGemvTileN, a.N);
-        for (int64_t r = a.row_start[e]; r < a.row_end[e]; r += kGemvRows) {
-            switch ((int)std::min<int64_t>(kGemvRows, a.row_end[e] - r)) {
-                case 1: gemv_tile<WF, SF, 1>(a, e, n0, n1, r, t); break;
-                case 2: gemv_tile<WF, SF, 2>(a, e, n0, n1, r, t); break;
-                case 3: gemv_tile<WF, SF, 3>(a, e, n0, n1, r, t); break;
-                default: gemv_tile<WF, SF, 4>(a, e, n0, n1, r, t); break;
-            }
-        }
-    }
+    gemv_run<kGemvRows>(
+        a, WF == W_FP8 ? a.K : a.K / 2,
+        [&](auto R, const LlkWeight& w, int64_t e, int64_t n, int64_t r, float* res) {
+            gemv_row<WF, SF, decltype(R)::value>(a, w, e, n, (const float*)a.x + r * a.ldx, t, res);
+        },
+        [](const LlkWeight& w, int64_t e, int64_t n) { return factor(w, e, n); });
 }
 
 // ------------------------------------------------------------------------------------------
@@ -539,53 +503,17 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
     }
 }
 
-template <int WF, int SF, int MR>
-static void dp_tile(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, int64_t r0, const Tables& t) {
-    const uint16_t* x = (const uint16_t*)a.x + r0 * a.ldx;
-    const bool swiglu = a.w3.w != nullptr;
-    for (int64_t n = n0; n < n1; n++) {
-        float r1[MR], r3[MR];
-        dp_row<WF, SF, MR>(a, a.w1, e, n, x, t, r1);
-        const float f1 = factor(a.w1, e, n);
-        if (swiglu) dp_row<WF, SF, MR>(a, a.w3, e, n, x, t, r3);
-        const float f3 = swiglu ? factor(a.w3, e, n) : 0.0f;
-        for (int m = 0; m < MR; m++) {
-            const float ts = a.tokscale ? a.tokscale[r0 + m] : 1.0f;
-            float v = r1[m] * f1 * ts;
-            if (swiglu) v = silu(v) * (r3[m] * f3 * ts);
-            a.out[(r0 + m) * a.ldo + n] = v;
-        }
-    }
-}
-
 static const int kDpRows = 8;  // activation rows per register tile (one decode feeds them all)
 
 template <int WF, int SF>
 static void dp_impl(const LlkArgs& a) {
     const Tables& t = tables();
-    std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first row); empty experts: none
-    for (int64_t e = 0; e < a.E; e++)
-        if (a.row_end[e] > a.row_start[e])
-            for (int64_t n = 0; n < a.N; n += kGemvTileN) items.emplace_back(e, n);
-    const int64_t n_items = (int64_t)items.size();
-    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
-    const int nt = threads_for(n_items * kGemvTileN * row_bytes * (a.w3.w ? 2 : 1), a.nthreads);
-#pragma omp parallel for schedule(guided) num_threads(nt)
-    for (int64_t i = 0; i < n_items; i++) {
-        const int64_t e = items[i].first, n0 = items[i].second, n1 = std::min<int64_t>(n0 + kGemvTileN, a.N);
-        for (int64_t r = a.row_start[e]; r < a.row_end[e]; r += kDpRows) {
-            switch ((int)std::min<int64_t>(kDpRows, a.row_end[e] - r)) {
-                case 1: dp_tile<WF, SF, 1>(a, e, n0, n1, r, t); break;
-                case 2: dp_tile<WF, SF, 2>(a, e, n0, n1, r, t); break;
-                case 3: dp_tile<WF, SF, 3>(a, e, n0, n1, r, t); break;
-                case 4: dp_tile<WF, SF, 4>(a, e, n0, n1, r, t); break;
-                case 5: dp_tile<WF, SF, 5>(a, e, n0, n1, r, t); break;
-                case 6: dp_tile<WF, SF, 6>(a, e, n0, n1, r, t); break;
-                case 7: dp_tile<WF, SF, 7>(a, e, n0, n1, r, t); break;
-                default: dp_tile<WF, SF, 8>(a, e, n0, n1, r, t); break;
-            }
-        }
-    }
+    gemv_run<kDpRows>(
+        a, WF == W_FP8 ? a.K : a.K / 2,
+        [&](auto R, const LlkWeight& w, int64_t e, int64_t n, int64_t r, float* res) {
+            dp_row<WF, SF, decltype(R)::value>(a, w, e, n, (const uint16_t*)a.x + r * a.ldx, t, res);
+        },
+        [](const LlkWeight& w, int64_t e, int64_t n) { return factor(w, e, n); });
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1043,7 +971,7 @@ int llk_gemv(const LlkArgs* a) {
 // llk_gemv for bf16 x in K order and bf16 results (see gemv_bf16_io): decode in one call.
 int llk_gemv_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x, int64_t ldx,
                     uint16_t* out, int64_t ldo) {
-    return gemv_bf16_io(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv);
+    return gemv_bf16_io<float>(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv);
 }
 
 // Few rows per expert, bf16 x in tile order (kp wide): the bf16 dot-product GEMV.
@@ -1053,23 +981,10 @@ int llk_gemv_dp(const LlkArgs* a) {
     return 0;
 }
 
-// llk_gemv_dp for bf16 x in K order and bf16 results: x gathered into tile order by `perm` ([kp];
-// an entry >= K is a zero pad), the fp32 results rounded to bf16 (as gemv_bf16_io).
+// llk_gemv_dp for bf16 x in K order and bf16 results (see gemv_bf16_io).
 int llk_gemv_dp_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x,
                        int64_t ldx, uint16_t* out, int64_t ldo) {
-    thread_local std::vector<uint16_t> xt;
-    thread_local std::vector<float> of;
-    xt.resize((size_t)(rows * kp));
-    of.resize((size_t)(rows * a->N));
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < kp; j++) xt[r * kp + j] = perm[j] < a->K ? x[r * ldx + perm[j]] : 0;
-    LlkArgs b = *a;
-    b.x = xt.data(), b.ldx = kp, b.out = of.data(), b.ldo = a->N;
-    const int rc = llk_gemv_dp(&b);
-    if (rc) return rc;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t n = 0; n < a->N; n++) out[r * ldo + n] = round_bf16(of[r * a->N + n]);
-    return 0;
+    return gemv_bf16_io<uint16_t>(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv_dp);
 }
 
 // Rows of one expert e with AMX: x is bf16 in tile order, `kp` (a multiple of 32) wide.

@@ -299,8 +299,6 @@ static inline float factor(const LlkWeight& w, int64_t e, int64_t n, int wfmt) {
            (wfmt == W_FP8 ? kFp8Unit : 1.0f);
 }
 
-static inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
-
 template <int WF, int SF, int MR>
 static void gemv_tile(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, int64_t r0, const Tables& t) {
     const float* x = (const float*)a.x + r0 * a.ldx;
@@ -321,16 +319,10 @@ static void gemv_tile(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, int64
 }
 
 static const int kGemvRows = 8;  // activation rows per register tile (one decode feeds them all)
-static const int kGemvTileN = 16;
 
-// The GEMVs share their weight tiles out with schedule(guided): each thread first takes a long
-// run of consecutive rows (half of them, then a shrinking share), so its read is one long stream
-// that the prefetch keeps ahead of, and the small last pieces still balance a late thread. Against
-// schedule(dynamic, 4) (64 KiB of int4 weights per take), on 2 AMD EPYC cores, one process
-// alternating the two 15 times: int4 expert GEMVs 0.84-0.96x the time, a 512 x 2048 layer
-// 0.78-0.81x, a bf16 512 x 2048 layer 0.83-0.86x (larger bf16 layers unchanged); a whole decode
-// step of the bench preset 0.97x (int4_all) and 0.95x (int4_all_a8), medians of 72 steps.
-
+// Its own tile loop rather than llk_common.h's gemv_run (same split, same schedule): through those
+// lambdas the 8-row GEMV took 1.1-1.25x the time on AMD EPYC Zen 4 (int4 and fp8, batch 8), and
+// the integer GEMV (q8_impl, which keeps its loop too) 1.05-1.1x.
 template <int WF, int SF>
 static void gemv_impl(const LlkArgs& a) {
     const Tables& t = tables();
@@ -932,13 +924,13 @@ int llk_gemv_q8(const LlkArgs* a) {
 // llk_gemv_q8 for bf16 x and bf16 results (gemv_bf16_io with perm = 0..K-1).
 int llk_gemv_q8_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x,
                        int64_t ldx, uint16_t* out, int64_t ldo) {
-    return gemv_bf16_io(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv_q8);
+    return gemv_bf16_io<float>(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv_q8);
 }
 
 // llk_gemv for bf16 x in K order and bf16 results (see gemv_bf16_io): decode in one call.
 int llk_gemv_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x, int64_t ldx,
                     uint16_t* out, int64_t ldo) {
-    return gemv_bf16_io(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv);
+    return gemv_bf16_io<float>(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv);
 }
 
 // Weight rows [n0, n1) of expert e as fp32 in gemv order, group scales multiplied in (rows past N
