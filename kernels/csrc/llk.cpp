@@ -7,8 +7,8 @@
 // Ways to multiply, chosen per expert by the number of activation rows and per CPU (see cpu.py):
 //  * gemv_*   (1-2 rows, decode): weights decoded straight to fp32 in registers and fed to FMAs.
 //    On the Xeons we measured, vdpbf16ps runs at half the MAC rate of fp32 FMA, so fp32 it is.
-//  * dp_*     (decode with bf16 activations, on AMD Zen 4): weights decoded to bf16 (exact) for
-//    vdpbf16ps, which there matches the fp32 FMA's MAC rate while the decode costs half as much.
+//  * dp_*     (decode with activations exact in bf16, on AMD Zen 4): weights decoded to bf16
+//    (exact) for vdpbf16ps; there it took 0.47-0.79x the fp32 GEMV's time (see cpu.py GEMV_DOT).
 //  * amx_*    (more rows): 32 weight rows x 128-256 K values at a time are decoded to bf16
 //    (exact for every format) into an L1 buffer, then AMX multiplies them with every 16-row
 //    slice of the activations. Group scales that do not fold exactly into bf16 (int4) are
@@ -396,12 +396,12 @@ static void gemv_impl(const LlkArgs& a) {
 // ------------------------------------------------------------------------------------------
 // bf16 dot-product GEMV (the avx512 path with bf16 activations; see cpu.py GEMV_DOT)
 //
-// Weights decoded to bf16 in tile order (exact for every format, as for AMX: int4 values, fp8,
-// e2m1 x e4m3 and int4 x e4m3 products) and multiplied with vdpbf16ps: a product of two bf16 is
-// exact in fp32 and the sums are fp32. int4's bf16 / fp32 group scales, not exact in bf16,
-// multiply each group's fp32 sum (FLUSH). Per 32 weights one broadcast, one shift, one vpermw and
-// one dot product (against two loads, two shifts, two vpermps and two FMAs in fp32), and at 8
-// rows half the multiply instructions. x is bf16 in tile order, kp = whole blocks, zero padded.
+// Weights decoded to bf16 (exact for every format: int4 and e2m1 values, fp8, int4 x e4m3) and
+// multiplied with vdpbf16ps: a product of two bf16 is exact in fp32 and the sums are fp32. int4's
+// bf16 / fp32 group scales, not exact in bf16, multiply each group's fp32 sum (FLUSH); nvfp4's
+// e4m3 scales each block's lanes. x is bf16, kp = whole blocks, zero padded, in the "dp" order
+// (decode4_dp: one shift and one vpermw per 32 values) for int4 / w4a8 with groups of a multiple
+// of 128 and nvfp4 with K a multiple of 128 (cpu.py _dp_order), else in tile order.
 
 template <int WF, int SF, int MR>
 static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, const uint16_t* x,
@@ -974,7 +974,7 @@ int llk_gemv_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t r
     return gemv_bf16_io<float>(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv);
 }
 
-// Few rows per expert, bf16 x in tile order (kp wide): the bf16 dot-product GEMV.
+// Few rows per expert, bf16 x in dp or tile order (kp wide; see dp_row): the bf16 dot-product GEMV.
 int llk_gemv_dp(const LlkArgs* a) {
     if (!supported(a)) return -1;
     LLK_DISPATCH(dp_impl, *a);
