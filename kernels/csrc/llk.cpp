@@ -424,7 +424,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
         for (int m = 0; m < MR; m++)
             acc[m][j % NA] = _mm512_dpbf16_ps(acc[m][j % NA], (__m512bh)z, (__m512bh)_mm512_loadu_si512(x + m * a.ldx + off));
     };
-    auto flush = [&](int64_t g) {  // tot += (this group's sum) * its scale
+    auto flush = [&](int64_t g) LLK_INLINE {  // tot += (this group's sum) * its scale
         const __m512 sc = _mm512_set1_ps(scale_at<SF>(srow, std::min<int64_t>(g, ngroups - 1), t));
         for (int m = 0; m < MR; m++) {
             __m512 sum = acc[m][0];
