@@ -111,9 +111,11 @@ GEMV_DOT = {"amx": "fp32", "avx512": "bf16", "avx2": "fp32"}
 # Activation rows up to which a bf16 weight goes through a library's GEMV rather than PyTorch's
 # GEMM: oneDNN's bf16 GEMM is fast with AVX512-BF16 / AMX, and on AVX2 alone slower than the GEMV
 # even at 64 rows (measured ~4x at 8-64 rows on AMD EPYC Zen 3). Without AMX (avx512: AMD EPYC
-# Zen 4/5) oneDNN's bf16 GEMM reads a weight at ~21 GB/s whatever the rows; the GEMV took 0.6-0.8x
-# its time at 5-8 rows and 1.3x at 12 (Zen 5, a 16384 x 5120 layer and a 1024 x 5120 one).
-BF16_GEMV_MAX_ROWS = {"amx": 4, "avx512": 8, "avx2": 64}
+# Zen 4/5) oneDNN's bf16 GEMM reads a weight at ~21 GB/s whatever the rows and the GEMV took
+# 0.6-0.8x its time at 5-8 rows (Zen 5), but at 8 the routed bf16 experts of a short prefill (a few
+# rows each) leave PyTorch's GEMM and its exact numbers (summation order), which the kernel model
+# promises at prefill (tests/quantization/test_convert.py): 4 until batch decode can be told apart.
+BF16_GEMV_MAX_ROWS = {"amx": 4, "avx512": 4, "avx2": 64}
 # Weight rows expanded to fp32 at a time for the GEMM of many rows: 512 x 5120 x 4 B = 10 MiB.
 PREFILL_TILE_N = 512
 # Weight rows dequantized at a time by PyTorch on the ``none`` path.
