@@ -105,7 +105,7 @@ GEMV_MAX_ROWS = {
 # by measurement: on the AMX Xeons we ran, vdpbf16ps ran at half the fp32 FMA's rate; on AMD EPYC
 # Zen 4 (the avx512 path) the bf16 GEMV took 0.47-0.79x the fp32 one's time at batch 1 and
 # 0.39-0.74x at batch 8 (16-expert stack, the two alternating in one process; README "CPU
-# paths"); on Zen 5 0.76-1.0x at batch 1 and 0.44-0.69x at batch 8. Other fp32 activations take
+# paths"); on Zen 5 0.76-1.02x at batch 1 and 0.44-0.69x at batch 8. Other fp32 activations take
 # the fp32 GEMV everywhere.
 GEMV_DOT = {"amx": "fp32", "avx512": "bf16", "avx2": "fp32"}
 # Activation rows up to which a bf16 weight goes through a library's GEMV rather than PyTorch's

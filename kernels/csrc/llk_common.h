@@ -13,7 +13,7 @@
 
 // For a lambda of a kernel's inner loop that GCC leaves out of line (one called at several
 // places): the register accumulators it touches then live in memory. dp_row's group flush was out
-// of line for 2, 3 and 5 activation rows: those int4 GEMVs ran 1.8-2.2x slower (AMD EPYC Zen 5).
+// of line for 2, 3 and 5 activation rows: those int4 GEMVs ran 2.0-2.2x slower (AMD EPYC Zen 5).
 // Only where measured: forcing dp_row's dot inline too made 4 and 6 rows 1.3x slower.
 #define LLK_INLINE __attribute__((always_inline))
 
