@@ -513,16 +513,25 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
         exact = form["act"] is not None or x.dtype == torch.bfloat16
         rep = 1 if exact else 2
         xt = _permute(xa.to(torch.bfloat16) if exact else _split_bf16(xa), "avx512", "tile", wfmt)
-        out_t = out if rep == 1 else torch.zeros(t * rep, n, dtype=torch.float32)
         starts = _rows_array([a * rep for a in off[:-1]])
         ends = _rows_array([a * rep for a in off[1:]])
-        args = _args(form, xt, tok, out_t, starts, ends, form3)
-        for i in large:
-            _check(lib.llk_amx(ctypes.byref(args), i, xt.shape[1]), "llk_amx")
-        if rep == 2:
-            summed = out_t.view(t, 2, n).sum(dim=1)
+        if rep == 1:
+            args = _args(form, xt, tok, out, starts, ends, form3)
             for i in large:
-                out[off[i] : off[i + 1]] = summed[off[i] : off[i + 1]]
+                _check(lib.llk_amx(ctypes.byref(args), i, xt.shape[1]), "llk_amx")
+            return out
+
+        def products(f: dict) -> torch.Tensor:  # x W.T of the large experts, hi + lo rows summed
+            out_t = torch.zeros(t * rep, n, dtype=torch.float32)
+            args = _args(f, xt, tok, out_t, starts, ends, None)
+            for i in large:
+                _check(lib.llk_amx(ctypes.byref(args), i, xt.shape[1]), "llk_amx")
+            return out_t.view(t, 2, n).sum(dim=1)
+
+        # the SwiGLU epilogue needs whole products, not the hi and lo halves apart
+        summed = products(form) if form3 is None else F.silu(products(form)) * products(form3)
+        for i in large:
+            out[off[i] : off[i + 1]] = summed[off[i] : off[i + 1]]
         return out
     xt = _permute(xa, "avx2", "gemv", wfmt)
     for i in large:
