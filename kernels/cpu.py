@@ -34,7 +34,7 @@ Numerics, on every path (vs kernels/reference.py): products are exact or rounded
 (q * s as the reference, or exact weight values times the activations) and sums are fp32, so
 results differ from the reference by fp32 summation order only. Activation quantization (fp8 per
 token, nvfp4 per 16) is bit-identical to the reference's. On the amx path an fp32 / fp16 input is
-split into two bf16 rows (hi + lo: 16 significant bits; the dropped remainder is < 2^-16 relative).
+split into three bf16 rows whose sum is exactly the input (``_split_bf16``), so its products are exact too.
 
 Weights are used exactly as stored (no repacked copy: no extra memory); ``prepare`` caches only
 small things (scales in the dtype the kernel reads, per-expert factors, the C argument block),
@@ -336,10 +336,17 @@ def _dp_order(form: dict) -> str:
 
 
 def _split_bf16(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] fp32 -> bf16 [2T, K]: rows 2i and 2i+1 are the hi and lo parts of row i."""
+    """x [T, K] fp32 -> bf16 [3T, K]: rows 3i, 3i+1, 3i+2 sum to row i exactly.
+
+    Each part takes the next 8 significant bits of what the ones before left (each difference is
+    exact in fp32), so 3 x 8 bits hold all 24 of an fp32. Two parts (16 bits) were not enough:
+    the 2^-17 they drop moved int8-quantized SwiGLU activations across rounding boundaries.
+    """
     hi = x.to(torch.bfloat16)
-    lo = (x - hi.float()).to(torch.bfloat16)
-    return torch.stack((hi, lo), dim=1).reshape(-1, x.shape[1])
+    r = x - hi.float()
+    mid = r.to(torch.bfloat16)
+    lo = (r - mid.float()).to(torch.bfloat16)
+    return torch.stack((hi, mid, lo), dim=1).reshape(-1, x.shape[1])
 
 
 def _activations(form: dict, x: torch.Tensor, off: list[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -509,9 +516,9 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
     if not large:
         return out
     if path == "amx":
-        # bf16 activations in tile order; a fp32 input that is not exactly bf16 goes in as hi + lo rows
+        # bf16 activations in tile order; a fp32 input that is not exactly bf16 goes in as three bf16 rows
         exact = form["act"] is not None or x.dtype == torch.bfloat16
-        rep = 1 if exact else 2
+        rep = 1 if exact else 3
         xt = _permute(xa.to(torch.bfloat16) if exact else _split_bf16(xa), "avx512", "tile", wfmt)
         starts = _rows_array([a * rep for a in off[:-1]])
         ends = _rows_array([a * rep for a in off[1:]])
@@ -521,14 +528,14 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
                 _check(lib.llk_amx(ctypes.byref(args), i, xt.shape[1]), "llk_amx")
             return out
 
-        def products(f: dict) -> torch.Tensor:  # x W.T of the large experts, hi + lo rows summed
+        def products(f: dict) -> torch.Tensor:  # x W.T of the large experts, the three parts summed
             out_t = torch.zeros(t * rep, n, dtype=torch.float32)
             args = _args(f, xt, tok, out_t, starts, ends, None)
             for i in large:
                 _check(lib.llk_amx(ctypes.byref(args), i, xt.shape[1]), "llk_amx")
-            return out_t.view(t, 2, n).sum(dim=1)
+            return out_t.view(t, rep, n).sum(dim=1)
 
-        # the SwiGLU epilogue needs whole products, not the hi and lo halves apart
+        # the SwiGLU epilogue needs whole products, not each part's apart
         summed = products(form) if form3 is None else F.silu(products(form)) * products(form3)
         for i in large:
             out[off[i] : off[i + 1]] = summed[off[i] : off[i + 1]]
