@@ -102,7 +102,9 @@ GEMV_MAX_ROWS = {
 # activations, or fp8 / nvfp4-quantized ones): "fp32" decodes weights to fp32 in registers for
 # fp32 FMAs (llk_gemv), "bf16" decodes them to bf16 (exact for every format) for vdpbf16ps with
 # fp32 sums, int4's group scales applied to each group's sum (llk_gemv_dp). Chosen per CPU kind
-# by measurement: on the AMX Xeons we ran, vdpbf16ps ran at half the fp32 FMA's rate; on AMD EPYC
+# by measurement: on the AMX Xeons we ran, vdpbf16ps ran at half the fp32 FMA's rate (the
+# latest, caps amx vs avx512 on the 16-expert stack: the bf16 GEMV took 1.27x the time for int4 at
+# batch 1, ~1.0x for fp8 and w4a8, 0.76x for nvfp4, and 1.4-1.8x at batch 8); on AMD EPYC
 # Zen 4 (the avx512 path) the bf16 GEMV took 0.47-0.79x the fp32 one's time at batch 1 and
 # 0.39-0.74x at batch 8 (16-expert stack, the two alternating in one process; README "CPU
 # paths"); on Zen 5 0.76-1.02x at batch 1 and 0.44-0.69x at batch 8. Other fp32 activations take
