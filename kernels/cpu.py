@@ -119,6 +119,8 @@ GEMV_DOT_FORMAT = {("amx", W_FP4): "bf16"}
 def gemv_dot(path: str, wfmt: int) -> str:
     """The multiply a path's GEMV uses for this weight format: "fp32" or "bf16" (see GEMV_DOT)."""
     return GEMV_DOT_FORMAT.get((path, wfmt), GEMV_DOT[path])
+
+
 # Activation rows up to which a bf16 weight goes through a library's GEMV rather than PyTorch's
 # GEMM: oneDNN's bf16 GEMM is fast with AVX512-BF16 / AMX, and on AVX2 alone slower than the GEMV
 # even at 64 rows (measured ~4x at 8-64 rows on AMD EPYC Zen 3). Without AMX (avx512: AMD EPYC
@@ -276,7 +278,8 @@ def describe(w: Weight) -> str:
         return f"cpu/none{why}: PyTorch, fp32 tiles of {TORCH_TILE_N} rows"
     rows = GEMV_MAX_ROWS[path][form["wfmt"]]
     big = "AMX fused dequant-GEMM" if path == "amx" else "fp32 weight tiles + PyTorch fp32 GEMM"
-    gemv = "fp32-FMA" if gemv_dot(path, form["wfmt"]) == "fp32" else "bf16-dot (vdpbf16ps; fp32 FMA for fp32 activations)"
+    dot = gemv_dot(path, form["wfmt"])
+    gemv = "fp32-FMA" if dot == "fp32" else "bf16-dot (vdpbf16ps; fp32 FMA for fp32 activations)"
     return f"cpu/{path}: {gemv} fused dequant-GEMV up to {rows} rows per expert, {big} above"
 
 

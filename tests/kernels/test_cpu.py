@@ -6,8 +6,9 @@ avx2, none; ``LLAMA_LITE_CPU_ISA`` picks one in production), with one tolerance 
 Tolerance, per output element, with absdot = |x_eff| @ |W_deq|.T (the sum of the magnitudes of
 the products; x_eff = the activations after their quantization): products are exact or rounded
 once in fp32 and sums fp32 in chains of at most ~200 terms on either side (< 2^-16 absdot; AMX
-splits an fp32 input into three bf16 rows that sum to it exactly): |err| <= 2^-15 absdot. fp32 outputs also meet max |err| <= 1e-5 max |ref|. bf16 outputs:
-both sides round to bf16, which can differ by one bf16 ulp: + 2^-7 |ref|.
+splits an fp32 input into three bf16 rows that sum to it exactly): |err| <= 2^-15 absdot. fp32
+outputs also meet max |err| <= 1e-5 max |ref|. bf16 outputs: both sides round to bf16, which can
+differ by one bf16 ulp: + 2^-7 |ref|.
 """
 
 import dataclasses
