@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -167,7 +168,7 @@ def _run_step(cmd: list[str], out: Path, log: Path) -> None:
         if proc.returncode != 0 or not tmp.exists():
             tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
             tool = Path(cmd[1] if cmd[0] == sys.executable else cmd[0]).name
-            raise RuntimeError(f"{tool} exited with status {proc.returncode} (log {log})"
+            raise RuntimeError(f"{tool} {exit_reason(proc.returncode)} (log {log})"
                                + (f": {tail[-400:]}" if tail else ""))
         tmp.rename(out)
     finally:
@@ -269,6 +270,22 @@ def parse_bench_json(text: str, prefill_len: int, decode_tokens: int) -> dict:
     return row
 
 
+def exit_reason(returncode: int) -> str:
+    """How a tool ended, in words: its exit status, or the signal that killed it, with a hint for
+    SIGILL (an instruction the CPU does not execute)."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    why = f"was killed by {name}"
+    if -returncode == signal.SIGILL:
+        why += (" (an instruction this CPU does not run; on AMX machines llama.cpp's AMX matmul has stopped"
+                " so at its first quantized layer: build llama.cpp without AMX, see README)")
+    return why
+
+
 def run_bench(tools: Tools, fmt: str, gguf: Path, spec: dict, extra: list[str]) -> dict:
     """One format through llama-bench; an error row when it fails."""
     from scripts.benchmark import OtherLoad, wait_for_quiet
@@ -283,7 +300,7 @@ def run_bench(tools: Tools, fmt: str, gguf: Path, spec: dict, extra: list[str]) 
     share = load.share()
     if proc.returncode != 0:
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        row["error"] = f"llama-bench exited with status {proc.returncode}: {tail[-300:]}"
+        row["error"] = f"llama-bench {exit_reason(proc.returncode)}: {tail[-300:]}"
         return row
     try:
         row.update(parse_bench_json(proc.stdout, spec["prefill_len"], spec["decode_tokens"]))

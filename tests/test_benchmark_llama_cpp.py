@@ -15,7 +15,7 @@ from scripts.common import FlagError, run_cli
 
 # llama-bench -o json: one object per test (fields as tools/llama-bench prints them, trimmed).
 FAKE_BENCH = '''
-import json, sys
+import json, os, signal, sys
 args = sys.argv[1:]
 if args == ["--help"]:
     sys.exit(print("  -lm, --load-mode <auto|none|mmap|mlock|mmap+mlock|dio> (default: auto)"))
@@ -24,6 +24,8 @@ open({log!r}, "a").write("bench " + " ".join(args) + "\\n")
 need = {{"-t": "1", "-p": "64", "-n": "6", "-r": "1", "-lm": "none", "-o": "json"}}
 if any(opts.get(k) != v for k, v in need.items()) or not opts.get("-m", "").endswith(".gguf"):
     sys.exit("fake llama-bench: unexpected arguments " + " ".join(args))
+if os.environ.get("FAKE_SIGILL") and opts["-m"].endswith(os.environ["FAKE_SIGILL"]):
+    os.kill(os.getpid(), signal.SIGILL)
 speed = {{"bf16.gguf": 10.0, "q8_0.gguf": 20.0, "q4_0.gguf": 40.0}}[opts["-m"].rsplit("/", 1)[-1]]
 common = {{"build_commit": "fake123", "build_number": 4242, "cpu_info": "Fake CPU", "model_type": "llama4 ?B",
            "model_size": 3 * 1024**3, "model_n_params": 100, "n_threads": 1, "n_depth": 0, "avg_ns": 1}}
@@ -154,6 +156,24 @@ def test_a_failed_quantization_leaves_nothing_and_the_rest_runs(fake_llama_cpp, 
     data, _ = _run(hf_export, build, tmp_path, capsys)
     assert _calls(log) == ["quantize", "bench", "bench", "bench"]
     assert all("error" not in r for r in data["results"])
+
+
+def test_a_crashed_llama_bench_names_its_signal_and_the_rest_runs(fake_llama_cpp, hf_export, tmp_path, capsys,
+                                                                    monkeypatch):
+    build, _ = fake_llama_cpp
+    monkeypatch.setenv("FAKE_SIGILL", "q8_0.gguf")
+    data, stdout = _run(hf_export, build, tmp_path, capsys)
+    rows = {r["mode"]: r for r in data["results"]}
+    assert rows["Q8_0"]["error"].startswith("llama-bench was killed by SIGILL"), rows["Q8_0"]
+    assert "without AMX" in rows["Q8_0"]["error"]
+    assert "error" not in rows["bf16"] and rows["Q4_0"]["decode_b1_tok_s"] == 40
+    assert "| llama.cpp | Q8_0 | error: llama-bench was killed by SIGILL" in stdout
+
+
+def test_exit_reason():
+    assert bench_llama_cpp.exit_reason(3) == "exited with status 3"
+    assert bench_llama_cpp.exit_reason(-11) == "was killed by SIGSEGV"
+    assert "SIGILL" in bench_llama_cpp.exit_reason(-4)
 
 
 def test_parse_bench_json_and_ratios():
