@@ -146,6 +146,7 @@ def _declare(lib: ctypes.CDLL, kind: str) -> None:
         ("llk_gemv_bf16", [vp, i64, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int], None),
         ("llk_quant_fp8_rows", [vp, i64, i64, i64, ctypes.c_float, vp, vp, i64, vp, ctypes.c_int], None),
         ("llk_quant_nvfp4_rows", [vp, i64, i64, i64, vp, vp, i64, ctypes.c_int], ctypes.c_int),
+        ("llk_gather_cols", [vp, i64, i64, i64, vp, i64, vp, ctypes.c_int, ctypes.c_int], ctypes.c_int),
     ]
     own = {
         "avx512": [("llk_amx_init", [], ctypes.c_int), ("llk_amx", [args, i64, i64], ctypes.c_int),

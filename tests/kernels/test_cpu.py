@@ -202,6 +202,30 @@ def test_activation_quantization_is_bit_identical(lib_isa):
     assert torch.equal(q, values * local.float().repeat_interleave(16, -1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_permute_is_a_gather_with_zero_padding(dtype, lib_isa):
+    """The library's gather into kernel order equals PyTorch's index_select with a zero column
+    appended, for every order, with K not a multiple of the block, and for a strided x."""
+    from kernels.cpu_lib import W_FP4, W_FP8, W_INT4
+
+    libs = ["avx2"] + (["avx512"] if lib_isa in ("amx", "avx512") else [])
+    for lib in libs:
+        for order in ("gemv", "tile", "dp"):
+            if lib == "avx2" and order != "gemv" or order == "dp" and lib != "avx512":
+                continue
+            for wfmt in (W_INT4, W_FP4) if order == "dp" else (W_INT4, W_FP4, W_FP8):
+                for rows, k in ((1, 256), (9, 200), (70, 544)):
+                    big = torch.randn(rows, k + 7).to(dtype)
+                    x = big[:, 3 : 3 + k]  # row stride k + 7
+                    perm = cpu._perm(lib, order, wfmt, k)
+                    want = torch.cat((x, x.new_zeros(rows, 1)), dim=1).index_select(1, perm)
+                    got = cpu._permute(x, lib, order, wfmt)
+                    if lib == "avx2" and wfmt == W_FP8 and perm.numel() == k:
+                        want = x  # fp8 decodes in K order there
+                    assert got.dtype == dtype and got.is_contiguous()
+                    assert torch.equal(got, want), (lib, order, wfmt, rows, k)
+
+
 def test_prepare_runs_once(monkeypatch):
     calls = []
     build = cpu._build_cpu_form
