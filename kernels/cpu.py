@@ -364,6 +364,12 @@ def _dp_order(form: dict) -> str:
     return "tile"
 
 
+def _amx_order(form: dict) -> str:
+    """The activation order llk_amx reads: "dp" for int4 / w4a8 with groups of a multiple of 128
+    values (its tile decoder is then the bf16 GEMV's shuffle-free one), else "tile"."""
+    return "dp" if form["wfmt"] == W_INT4 and form["gs"] % 128 == 0 else "tile"
+
+
 def _split_bf16(x: torch.Tensor) -> torch.Tensor:
     """x [T, K] fp32 -> bf16 [3T, K]: rows 3i, 3i+1, 3i+2 sum to row i exactly.
 
@@ -549,7 +555,7 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
         exact = form["act"] is not None or x.dtype == torch.bfloat16
         rep = 1 if exact else 3
         xb = x if form["act"] is None and x.dtype == torch.bfloat16 else xa.to(torch.bfloat16)
-        xt = _permute(xb if exact else _split_bf16(xa), "avx512", "tile", wfmt)
+        xt = _permute(xb if exact else _split_bf16(xa), "avx512", _amx_order(form), wfmt)
         starts = _rows_array([a * rep for a in off[:-1]])
         ends = _rows_array([a * rep for a in off[1:]])
         if rep == 1:

@@ -630,8 +630,10 @@ static inline void flush_tiles(int64_t g, const void* const* srows, bool two, fl
 
 // Decode step `st` (128 K values) of the 32 rows into `out` laid out chunk-major,
 // [4 chunks][32 rows][32 bf16], so each A tile (16 rows of one chunk) is 1 KiB contiguous.
-// `ahead`: how far along each row to prefetch (bytes).
-template <int WF, int SF, bool FOLD>
+// `ahead`: how far along each row to prefetch (bytes). DP (int4 / w4a8 with groups of a multiple
+// of 128 values): the shuffle-free decoder of the bf16 GEMV (decode4_dp), x in its "dp" order;
+// chunk c of a step then holds K 128 st + 4 w + c, so a 128-value group is still 4 whole chunks.
+template <int WF, int SF, bool FOLD, bool DP = false>
 static inline void decode_step(const uint8_t* const* wrows, const void* const* srows, int64_t st, int64_t row_bytes,
                                int gs, int64_t ngroups, uint16_t* out, int64_t ahead, const Tables& t) {
     for (int r = 0; r < kAmxTileN; r++) {
@@ -641,6 +643,14 @@ static inline void decode_step(const uint8_t* const* wrows, const void* const* s
             _mm_prefetch((const char*)wrows[r] + 128 * st + ahead + 64, _MM_HINT_T0);
             decode8_bf16(wrows[r] + 128 * st, mask64(row_bytes - 128 * st), t, z);
             decode8_bf16(wrows[r] + 128 * st + 64, mask64(row_bytes - 128 * st - 64), t, z + 2);
+        } else if (DP) {
+            _mm_prefetch((const char*)wrows[r] + 64 * st + ahead, _MM_HINT_T0);
+            __m512i table = t.int4_bf16;
+            if (FOLD) {  // w4a8: the group's e4m3 scale times the int4 values, exact in bf16
+                const __m512 v = _mm512_mul_ps(t.int4_f32, _mm512_set1_ps(scale_at<SF>(srows[r], 128 * st / gs, t)));
+                table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+            }
+            decode4_dp(wrows[r] + 64 * st, table, z);
         } else {
             _mm_prefetch((const char*)wrows[r] + 64 * st + ahead, _MM_HINT_T0);
             decode4_block<WF, SF, FOLD>(wrows[r] + 64 * st, row_bytes - 64 * st, srows[r], st, gs, ngroups, t, z);
@@ -666,7 +676,7 @@ static const int kAmxAheadResident = 256;
 // * up to 2 row tiles: the accumulators stay in tile registers across K (1-step blocks);
 // * more: each (block, pair of row tiles) is added into acc (2-step blocks).
 // FLUSH (int4): each group's partial sums are scaled into acc (q * scale is not exact in bf16).
-template <int WF, int SF, bool FLUSH, bool FOLD>
+template <int WF, int SF, bool FLUSH, bool FOLD, bool DP>
 static void amx_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n0, int64_t kp, const uint32_t* b,
                      int64_t mt, float* acc, int64_t mpad, uint16_t* buf, float* tmp, const Tables& t) {
     const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
@@ -686,7 +696,7 @@ static void amx_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n0
     }
     auto decode_block = [&](int64_t blk, uint16_t* out) {
         for (int64_t st = blk * bsteps; st < std::min(steps, (blk + 1) * bsteps); st++)
-            decode_step<WF, SF, FOLD>(wrows, srows, st, row_bytes, a.gs, ngroups, out + (st - blk * bsteps) * 4096,
+            decode_step<WF, SF, FOLD, DP>(wrows, srows, st, row_bytes, a.gs, ngroups, out + (st - blk * bsteps) * 4096,
                                       resident ? kAmxAheadResident : kPrefetch, t);
     };
     if (FLUSH || !resident) memset(acc, 0, sizeof(float) * kAmxTileN * mpad);
@@ -742,6 +752,7 @@ static void amx_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp)
     // w4a8 (int4 x e4m3: <= 7 significant bits) and nvfp4 (e2m1 x e4m3: <= 6) fold exactly.
     constexpr bool FOLD = WF == W_FP4 || (WF == W_INT4 && SF == S_E4M3);
     constexpr bool FLUSH = WF == W_INT4 && !FOLD;
+    const bool dp = WF == W_INT4 && a.gs % 128 == 0;  // x in "dp" order (cpu.py _amx_order)
     const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
     const int nt = (int)std::min<int64_t>(n_items, threads_for(a.N * row_bytes * (swiglu ? 2 : 1) * (1 + mt), a.nthreads));
 #pragma omp parallel num_threads(nt)
@@ -755,8 +766,13 @@ static void amx_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp)
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; i++) {
             const int64_t n0 = i * kAmxTileN;
-            amx_rows<WF, SF, FLUSH, FOLD>(a, a.w1, e, n0, kp, b, mt, acc1, mpad, wbuf, tmp, t);
-            if (swiglu) amx_rows<WF, SF, FLUSH, FOLD>(a, a.w3, e, n0, kp, b, mt, acc3, mpad, wbuf, tmp, t);
+            if (dp) {
+                amx_rows<WF, SF, FLUSH, FOLD, WF == W_INT4>(a, a.w1, e, n0, kp, b, mt, acc1, mpad, wbuf, tmp, t);
+                if (swiglu) amx_rows<WF, SF, FLUSH, FOLD, WF == W_INT4>(a, a.w3, e, n0, kp, b, mt, acc3, mpad, wbuf, tmp, t);
+            } else {
+                amx_rows<WF, SF, FLUSH, FOLD, false>(a, a.w1, e, n0, kp, b, mt, acc1, mpad, wbuf, tmp, t);
+                if (swiglu) amx_rows<WF, SF, FLUSH, FOLD, false>(a, a.w3, e, n0, kp, b, mt, acc3, mpad, wbuf, tmp, t);
+            }
             const int64_t n1 = std::min<int64_t>(n0 + kAmxTileN, a.N);
             for (int64_t m = 0; m < rows; m++) {
                 const int64_t r = a.row_start[e] + m;
