@@ -975,16 +975,6 @@ extern "C" {
 
 int llk_abi_version() { return 5; }
 
-// x [rows, k] (row stride ldx) -> out [rows, kp] (contiguous) in the order perm gives (see gather_cols);
-// elsize 2 (bf16) or 4 (fp32).
-int llk_gather_cols(const void* x, int64_t ldx, int64_t rows, int64_t k, const int32_t* perm, int64_t kp, void* out,
-                    int elsize, int nthreads) {
-    if (elsize == 2) gather_cols((const uint16_t*)x, ldx, rows, k, perm, kp, (uint16_t*)out, nthreads);
-    else if (elsize == 4) gather_cols((const uint32_t*)x, ldx, rows, k, perm, kp, (uint32_t*)out, nthreads);
-    else return -1;
-    return 0;
-}
-
 // 1 if AMX tiles are usable in this process (asks the kernel for the tile state once).
 int llk_amx_init() {
     static int state = -1;

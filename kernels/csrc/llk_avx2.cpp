@@ -900,16 +900,6 @@ extern "C" {
 
 int llk_abi_version() { return 5; }
 
-// x [rows, k] (row stride ldx) -> out [rows, kp] (contiguous) in the order perm gives (see gather_cols);
-// elsize 2 (bf16) or 4 (fp32).
-int llk_gather_cols(const void* x, int64_t ldx, int64_t rows, int64_t k, const int32_t* perm, int64_t kp, void* out,
-                    int elsize, int nthreads) {
-    if (elsize == 2) gather_cols((const uint16_t*)x, ldx, rows, k, perm, kp, (uint16_t*)out, nthreads);
-    else if (elsize == 4) gather_cols((const uint32_t*)x, ldx, rows, k, perm, kp, (uint32_t*)out, nthreads);
-    else return -1;
-    return 0;
-}
-
 // K positions of one block of a row, in the order the kernels read x (and write tiles); returns
 // the block length (64 for 4-bit formats, 32 for fp8). `out` holds at least 64 entries.
 int llk_gemv_order(int wfmt, int32_t* out) { return gemv_order(wfmt, out); }

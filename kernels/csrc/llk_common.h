@@ -167,6 +167,16 @@ static void gather_cols(const T* x, int64_t ldx, int64_t rows, int64_t k, const 
     }
 }
 
+// x [rows, k] (row stride ldx) -> out [rows, kp] (contiguous) in the order perm gives; elsize 2
+// (bf16) or 4 (fp32). Exported by both libraries (each includes this header once).
+extern "C" int llk_gather_cols(const void* x, int64_t ldx, int64_t rows, int64_t k, const int32_t* perm, int64_t kp,
+                               void* out, int elsize, int nthreads) {
+    if (elsize == 2) gather_cols((const uint16_t*)x, ldx, rows, k, perm, kp, (uint16_t*)out, nthreads);
+    else if (elsize == 4) gather_cols((const uint32_t*)x, ldx, rows, k, perm, kp, (uint32_t*)out, nthreads);
+    else return -1;
+    return 0;
+}
+
 // ------------------------------------------------------------------------------------------
 // decode entry: bf16 activations in K order in, bf16 results out
 
