@@ -334,9 +334,8 @@ def _perm(lib: str, order: str, wfmt: int, k: int) -> torch.Tensor:
 def _permute(x: torch.Tensor, lib: str, order: str, wfmt: int) -> torch.Tensor:
     """x [T, K] (fp32 or bf16) -> contiguous [T, Kp] in kernel order, zero padded, same dtype.
 
-    The library's gather (``llk_gather_cols``): PyTorch's ``index_select`` along rows took ~0.2 ms
-    for 8 bf16 rows of 5120 and ~14 ms for 512 on an AMX Xeon, more than the kernel it feeds at
-    decode batch 8.
+    The library's gather (``llk_gather_cols``): PyTorch's ``index_select`` along rows took 0.13-0.22
+    ms for 8 bf16 rows of 5120 and 8-15 ms for 512 on an AMX Xeon (the gather: 0.03 and 1.6 ms).
     """
     k = x.shape[1]
     perm = _perm(lib, order, wfmt, k)
@@ -551,11 +550,15 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
     if not large:
         return out
     if path == "amx":
-        # bf16 activations in tile order; a fp32 input that is not exactly bf16 goes in as three bf16 rows
+        # bf16 activations in the order llk_amx reads; a fp32 input that is not exactly bf16 goes in
+        # as three bf16 rows
         exact = form["act"] is not None or x.dtype == torch.bfloat16
         rep = 1 if exact else 3
-        xb = x if form["act"] is None and x.dtype == torch.bfloat16 else xa.to(torch.bfloat16)
-        xt = _permute(xb if exact else _split_bf16(xa), "avx512", _amx_order(form), wfmt)
+        if not exact:
+            xb = _split_bf16(xa)
+        else:
+            xb = x if form["act"] is None else xa.to(torch.bfloat16)  # bf16 x as it came
+        xt = _permute(xb, "avx512", _amx_order(form), wfmt)
         starts = _rows_array([a * rep for a in off[:-1]])
         ends = _rows_array([a * rep for a in off[1:]])
         if rep == 1:
