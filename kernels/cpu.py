@@ -287,7 +287,6 @@ def describe(w: Weight) -> str:
 
 
 _perm_cache: dict[tuple, torch.Tensor] = {}
-_perm32_cache: dict[tuple, torch.Tensor] = {}  # the same, as int32 for the library's gather
 
 
 def _block_order_avx512(order: str, wfmt: int) -> torch.Tensor:
@@ -327,7 +326,7 @@ def _perm(lib: str, order: str, wfmt: int, k: int) -> torch.Tensor:
         blk = _block_order(lib, order, wfmt)
         nblk = -(-k // blk.numel())
         idx = (torch.arange(nblk).unsqueeze(1) * blk.numel() + blk).flatten()
-        _perm_cache[key] = torch.where(idx < k, idx, k)
+        _perm_cache[key] = torch.where(idx < k, idx, k).to(torch.int32)  # int32: what the libraries read
     return _perm_cache[key]
 
 
@@ -341,14 +340,10 @@ def _permute(x: torch.Tensor, lib: str, order: str, wfmt: int) -> torch.Tensor:
     perm = _perm(lib, order, wfmt, k)
     if lib == "avx2" and wfmt == W_FP8 and perm.numel() == k:
         return x.contiguous()  # fp8 decodes in K order
-    key = (lib, order, wfmt, k)
-    perm32 = _perm32_cache.get(key)
-    if perm32 is None:
-        perm32 = _perm32_cache[key] = perm.to(torch.int32).contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape[0], perm.numel(), dtype=x.dtype)
-    rc = library(lib).llk_gather_cols(x.data_ptr(), x.stride(0), x.shape[0], k, perm32.data_ptr(), perm.numel(),
+    rc = library(lib).llk_gather_cols(x.data_ptr(), x.stride(0), x.shape[0], k, perm.data_ptr(), perm.numel(),
                                       out.data_ptr(), x.element_size(), torch.get_num_threads())
     _check(rc, "llk_gather_cols")
     return out

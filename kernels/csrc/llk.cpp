@@ -633,7 +633,7 @@ static inline void flush_tiles(int64_t g, const void* const* srows, bool two, fl
 // `ahead`: how far along each row to prefetch (bytes). DP (int4 / w4a8 with groups of a multiple
 // of 128 values): the shuffle-free decoder of the bf16 GEMV (decode4_dp), x in its "dp" order;
 // chunk c of a step then holds K 128 st + 4 w + c, so a 128-value group is still 4 whole chunks.
-template <int WF, int SF, bool FOLD, bool DP = false>
+template <int WF, int SF, bool FOLD, bool DP>
 static inline void decode_step(const uint8_t* const* wrows, const void* const* srows, int64_t st, int64_t row_bytes,
                                int gs, int64_t ngroups, uint16_t* out, int64_t ahead, const Tables& t) {
     for (int r = 0; r < kAmxTileN; r++) {
@@ -766,13 +766,12 @@ static void amx_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp)
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; i++) {
             const int64_t n0 = i * kAmxTileN;
-            if (dp) {
-                amx_rows<WF, SF, FLUSH, FOLD, WF == W_INT4>(a, a.w1, e, n0, kp, b, mt, acc1, mpad, wbuf, tmp, t);
-                if (swiglu) amx_rows<WF, SF, FLUSH, FOLD, WF == W_INT4>(a, a.w3, e, n0, kp, b, mt, acc3, mpad, wbuf, tmp, t);
-            } else {
-                amx_rows<WF, SF, FLUSH, FOLD, false>(a, a.w1, e, n0, kp, b, mt, acc1, mpad, wbuf, tmp, t);
-                if (swiglu) amx_rows<WF, SF, FLUSH, FOLD, false>(a, a.w3, e, n0, kp, b, mt, acc3, mpad, wbuf, tmp, t);
-            }
+            auto both = [&](auto D) {  // W1 (and W3) of the tile, with the decoder D says
+                amx_rows<WF, SF, FLUSH, FOLD, D.value>(a, a.w1, e, n0, kp, b, mt, acc1, mpad, wbuf, tmp, t);
+                if (swiglu) amx_rows<WF, SF, FLUSH, FOLD, D.value>(a, a.w3, e, n0, kp, b, mt, acc3, mpad, wbuf, tmp, t);
+            };
+            if (dp) both(std::integral_constant<bool, WF == W_INT4>{});
+            else both(std::false_type{});
             const int64_t n1 = std::min<int64_t>(n0 + kAmxTileN, a.N);
             for (int64_t m = 0; m < rows; m++) {
                 const int64_t r = a.row_start[e] + m;

@@ -151,9 +151,8 @@ static void gemv_run(const LlkArgs& a, int64_t row_bytes, Row row, Fac fac) {
 
 // ------------------------------------------------------------------------------------------
 // activations into a kernel's order: out[r, j] = x[r, perm[j]] (0 where perm[j] >= k), for 2- or
-// 4-byte elements (bf16 / fp32). PyTorch's index_select along a row is a scalar loop with per-element
-// bookkeeping (bf16: ~0.2 ms for 8 rows of 5120, ~14 ms for 512 rows on an AMX Xeon); this is one
-// pass at memory speed, rows shared among threads when there are enough of them.
+// 4-byte elements (bf16 / fp32), rows shared among threads when there are enough of them (what it
+// saves over PyTorch's index_select: cpu.py _permute).
 
 template <class T>
 static void gather_cols(const T* x, int64_t ldx, int64_t rows, int64_t k, const int32_t* perm, int64_t kp, T* out,
