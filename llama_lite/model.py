@@ -290,9 +290,28 @@ class MoE(nn.Module):
         self.router_DE = nn.Parameter(torch.empty(args.dim, args.moe_args.num_experts))
         self.shared_expert = FeedForward(args.dim, hidden, do_reduce=False)
 
+    def router_logits(self, x_aD: torch.Tensor) -> torch.Tensor:
+        """x @ router_DE, in x's dtype: products summed in fp32, rounded once (as a bf16 matmul does).
+
+        Computed as an fp32 matrix-vector product on a cached fp32 copy of the router ([E, D], a
+        few hundred KiB): oneDNN's bf16 matmul of one row by this [D, E] matrix took ~100 us right
+        after a GEMV had streamed its weights (in a decode step, on an AMX Xeon), the fp32 product
+        ~20 us. The copy follows the weight: it is rebuilt when the weight is replaced or written.
+        """
+        w = self.router_DE
+        if torch.compiler.is_compiling() or x_aD.device.type != "cpu":
+            return (x_aD.float() @ w.float()).to(x_aD.dtype)
+        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+        if getattr(self, "_router_key", None) != key:
+            self._router_ED = w.detach().t().float().contiguous()
+            self._router_key = key
+        if x_aD.shape[0] == 1:
+            return torch.mv(self._router_ED, x_aD[0].float()).to(x_aD.dtype)[None]
+        return (x_aD.float() @ self._router_ED.t()).to(x_aD.dtype)
+
     def route(self, x_aD: torch.Tensor):
         """Returns (token index per routed row, score per routed row, offsets [E+1]), rows sorted by expert."""
-        scores_aK, experts_aK = torch.topk(x_aD @ self.router_DE, self.top_k, dim=-1)
+        scores_aK, experts_aK = torch.topk(self.router_logits(x_aD), self.top_k, dim=-1)
         scores_aK = torch.sigmoid(scores_aK)
         experts_T = experts_aK.flatten()
         order_T = torch.argsort(experts_T, stable=True)

@@ -1,0 +1,53 @@
+"""The MoE router's logits (``MoE.router_logits``): an fp32 product on a cached fp32 copy of the
+router, which must equal the bf16 matmul up to summation order and follow the weight when it changes."""
+
+import pytest
+import torch
+
+from llama_lite.args import ModelArgs, MoEArgs
+from llama_lite.model import MoE
+
+
+def _moe(dim=320, experts=16, seed=0):
+    torch.manual_seed(seed)
+    args = ModelArgs(dim=dim, n_layers=1, n_heads=4, vocab_size=64, moe_args=MoEArgs(num_experts=experts, top_k=1), moe_hidden_dim=64)
+    moe = MoE(args).to(torch.bfloat16)
+    with torch.no_grad():
+        moe.router_DE.copy_(torch.randn(dim, experts) * dim**-0.5)
+    return moe
+
+
+def _reference(x, w):
+    # fp32 products and sums, one rounding to bf16: what a bf16 matmul computes
+    return (x.double() @ w.double()).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_router_logits_are_the_rounded_product(rows, dist1):
+    moe = _moe()
+    x = torch.randn(rows, 320, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = moe.router_logits(x)
+    want = _reference(x, moe.router_DE.detach())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 16)
+    # within one bf16 ulp of the exact product (fp32 summation order may tip a rounding)
+    ulp = want.float().abs().clamp_min(2.0**-126) * 2.0**-7
+    assert bool(((got.float() - want.float()).abs() <= ulp).all())
+
+
+def test_router_logits_follow_a_changed_weight(dist1):
+    moe = _moe()
+    x = torch.randn(1, 320, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        before = moe.router_logits(x).clone()
+    other = _moe(seed=1).router_DE.detach().clone()
+    moe.load_state_dict({**moe.state_dict(), "router_DE": other})  # written in place: same storage
+    with torch.inference_mode():
+        after = moe.router_logits(x)
+        want = _reference(x, other)
+    assert not torch.equal(before, after)
+    ulp = want.float().abs().clamp_min(2.0**-126) * 2.0**-7
+    assert bool(((after.float() - want.float()).abs() <= ulp).all())
+    moe.router_DE = torch.nn.Parameter(torch.zeros(320, 16, dtype=torch.bfloat16))  # replaced
+    with torch.inference_mode():
+        assert bool((moe.router_logits(x) == 0).all())
