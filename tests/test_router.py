@@ -17,9 +17,11 @@ def _moe(dim=320, experts=16, seed=0):
     return moe
 
 
-def _reference(x, w):
-    # fp32 products and sums, one rounding to bf16: what a bf16 matmul computes
-    return (x.double() @ w.double()).to(torch.bfloat16)
+def _within_an_ulp(got, x, w) -> bool:
+    """got within one bf16 ulp of the exact product x @ w (fp32 summation order may tip a rounding)."""
+    want = (x.double() @ w.double()).to(torch.bfloat16).float()
+    ulp = want.abs().clamp_min(2.0**-126) * 2.0**-7
+    return bool(((got.float() - want).abs() <= ulp).all())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64])
@@ -28,11 +30,8 @@ def test_router_logits_are_the_rounded_product(rows, dist1):
     x = torch.randn(rows, 320, dtype=torch.bfloat16)
     with torch.inference_mode():
         got = moe.router_logits(x)
-    want = _reference(x, moe.router_DE.detach())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 16)
-    # within one bf16 ulp of the exact product (fp32 summation order may tip a rounding)
-    ulp = want.float().abs().clamp_min(2.0**-126) * 2.0**-7
-    assert bool(((got.float() - want.float()).abs() <= ulp).all())
+    assert _within_an_ulp(got, x, moe.router_DE.detach())
 
 
 def test_router_logits_follow_a_changed_weight(dist1):
@@ -44,10 +43,8 @@ def test_router_logits_follow_a_changed_weight(dist1):
     moe.load_state_dict({**moe.state_dict(), "router_DE": other})  # written in place: same storage
     with torch.inference_mode():
         after = moe.router_logits(x)
-        want = _reference(x, other)
     assert not torch.equal(before, after)
-    ulp = want.float().abs().clamp_min(2.0**-126) * 2.0**-7
-    assert bool(((after.float() - want.float()).abs() <= ulp).all())
+    assert _within_an_ulp(after, x, other)
     moe.router_DE = torch.nn.Parameter(torch.zeros(320, 16, dtype=torch.bfloat16))  # replaced
     with torch.inference_mode():
         assert bool((moe.router_logits(x) == 0).all())
