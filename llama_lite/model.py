@@ -288,6 +288,7 @@ class MoE(nn.Module):
         hidden = args.expert_hidden_dim()
         self.experts = Experts(args.moe_args.num_experts, args.dim, hidden)
         self.router_DE = nn.Parameter(torch.empty(args.dim, args.moe_args.num_experts))
+        self._router_key, self._router_ED = None, None  # router_logits' fp32 copy and what it was made from
         self.shared_expert = FeedForward(args.dim, hidden, do_reduce=False)
 
     def router_logits(self, x_aD: torch.Tensor) -> torch.Tensor:
@@ -297,12 +298,15 @@ class MoE(nn.Module):
         few hundred KiB): oneDNN's bf16 matmul of one row by this [D, E] matrix took ~100 us right
         after a GEMV had streamed its weights (in a decode step, on an AMX Xeon), the fp32 product
         ~20 us. The copy follows the weight: it is rebuilt when the weight is replaced or written.
+        Other devices keep the bf16 matmul; compiled code converts in the graph.
         """
         w = self.router_DE
-        if torch.compiler.is_compiling() or x_aD.device.type != "cpu":
+        if x_aD.device.type != "cpu":
+            return x_aD @ w
+        if torch.compiler.is_compiling():
             return (x_aD.float() @ w.float()).to(x_aD.dtype)
         key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
-        if getattr(self, "_router_key", None) != key:
+        if self._router_key != key:
             self._router_ED = w.detach().t().float().contiguous()
             self._router_key = key
         if x_aD.shape[0] == 1:
