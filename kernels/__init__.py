@@ -8,7 +8,7 @@ Weights are ``kernels.formats`` containers (``Int4Weight``, ``Fp8Weight``, ``W4A
 (``kernels.attention``) is a decode step's attention over a KV cache.
 """
 
-from .attention import decode_attention
+from .attention import decode_attention, decode_step
 from .dispatch import BACKENDS, get_backend, grouped_linear, grouped_swiglu, linear, prepare, set_backend, swiglu
 from .formats import (
     Fp8Weight,
@@ -28,7 +28,7 @@ from .formats import (
 
 __all__ = [
     "BACKENDS", "get_backend", "set_backend", "prepare",
-    "linear", "grouped_linear", "grouped_swiglu", "swiglu", "decode_attention",
+    "linear", "grouped_linear", "grouped_swiglu", "swiglu", "decode_attention", "decode_step",
     "Int4Weight", "Fp8Weight", "W4A8Weight", "NVFP4Weight", "QuantizedWeight",
     "dequantize_weight", "format_name", "weight_shape", "select_expert",
     "pack_int4", "unpack_int4", "pack_fp4", "unpack_fp4",

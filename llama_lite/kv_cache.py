@@ -139,17 +139,20 @@ def attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     return out.transpose(1, 2).contiguous()
 
 
-# Implementations of a decode step's attention over the cache (``attend_sdpa``'s arguments and
-# result), by number: a loader may add a faster one for its device and point layers at it
-# (``Attention.attend_impl``). A number, not a function, because it passes through a custom op.
-_ATTEND: list = [attend_sdpa]
+# Implementations of a decode step's attention, by number: (attend, step), where ``attend`` takes
+# ``attend_sdpa``'s arguments and ``step``, if not None, does the whole step (write and attend) with
+# ``decode_attention_eager``'s arguments less ``impl``, or returns None where it does not apply. A
+# loader may add faster ones for its device and point layers at them (``Attention.attend_impl``).
+# A number, not a function, because it passes through a custom op.
+_ATTEND: list = [(attend_sdpa, None)]
 
 
-def register_attention(fn) -> int:
-    """The number by which ``Attention.attend_impl`` selects ``fn`` (the same number for the same fn)."""
-    if fn not in _ATTEND:
-        _ATTEND.append(fn)
-    return _ATTEND.index(fn)
+def register_attention(fn, step=None) -> int:
+    """The number by which ``Attention.attend_impl`` selects ``fn`` (and ``step``, see ``_ATTEND``);
+    the same number for the same pair."""
+    if (fn, step) not in _ATTEND:
+        _ATTEND.append((fn, step))
+    return _ATTEND.index((fn, step))
 
 
 def decode_attention(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk: int, ring: bool, impl: int = 0):
@@ -170,12 +173,17 @@ def decode_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     depends on the positions, so a compiled decode step keeps fixed shapes around it. ``impl``:
     which implementation attends (``register_attention``; 0 is PyTorch's SDPA).
     """
+    attend, whole_step = _ATTEND[impl]
+    if whole_step is not None:
+        out = whole_step(q, k, v, cache_k, cache_v, k_scale, v_scale, positions, chunk, ring)
+        if out is not None:
+            return out
     store = _Store.of(cache_k, cache_v, k_scale, v_scale)
     bsz = q.shape[0]
     # On a GPU every slot, masked: no host sync, so a CUDA graph can hold the step.
     n, mask = _write_one(store, k, v, positions.view(bsz, 1), chunk, ring, every_slot=q.is_cuda)
     keys, values = store.read(bsz, n, q.dtype)
-    return _ATTEND[impl](q, keys, values, mask)
+    return attend(q, keys, values, mask)
 
 
 decode_attention_op = torch.library.custom_op(

@@ -208,8 +208,9 @@ def _bf16_layers_to_kernels(model: Transformer, prefix: str) -> None:
 
 def _attention_to_kernels(model: Transformer) -> None:
     """Let decode steps attend over the KV cache with ``kernels.decode_attention``: on a CPU PyTorch's
-    SDPA takes 10-25x as long as reading the cache (an AMD EPYC without AVX-512 BF16)."""
-    impl = register_attention(kernels.decode_attention)
+    SDPA takes 10-25x as long as reading the cache (an AMD EPYC without AVX-512 BF16). Where it
+    applies, ``kernels.decode_step`` also writes the cache in the same call."""
+    impl = register_attention(kernels.decode_attention, kernels.decode_step)
     for module in model.modules():
         if isinstance(module, Attention):
             module.attend_impl = impl

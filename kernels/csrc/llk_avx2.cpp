@@ -976,4 +976,34 @@ int llk_decode_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v
     return 0;
 }
 
+// A whole decode step of one layer: row b stores its new key and value (Hkv x D bf16 each, at
+// k_new / v_new with strides new_strides = (k row, k head, v row, v head)) in cache slot slot[b],
+// then attends as llk_decode_attention over slots [lo[b], slot[b]] of its row, n = the furthest
+// row's slot + 1 (the rest of [0, n) masked). The cache's strides are ``strides``' six. Returns -1
+// as llk_decode_attention, or when some row has lo > slot or slot >= slots (the cache's length).
+int llk_decode_step(const uint16_t* q, const uint16_t* k_new, const uint16_t* v_new, const int64_t* new_strides,
+                    uint16_t* k, uint16_t* v, const int64_t* strides, int64_t slots, const int64_t* slot,
+                    const int64_t* lo, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, void* out,
+                    int out_bf16, int nthreads) {
+    if (D % 8 || Hkv <= 0 || H % Hkv || B <= 0) return -1;
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (lo[b] < 0 || lo[b] > slot[b] || slot[b] >= slots) return -1;
+        n = std::max(n, slot[b] + 1);
+    }
+    std::vector<uint8_t> mask((size_t)(B * n), 0);
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < Hkv; h++) {
+            memcpy(k + b * strides[0] + slot[b] * strides[1] + h * strides[2], k_new + b * new_strides[0] + h * new_strides[1],
+                   (size_t)D * 2);
+            memcpy(v + b * strides[3] + slot[b] * strides[4] + h * strides[5], v_new + b * new_strides[2] + h * new_strides[3],
+                   (size_t)D * 2);
+        }
+        memset(mask.data() + b * n + lo[b], 1, (size_t)(slot[b] - lo[b] + 1));
+    }
+    AttnArgs a{q, k, v, strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], mask.data(), B, H, Hkv, D, n, scale};
+    decode_attention(a, out, out_bf16, nthreads);
+    return 0;
+}
+
 }  // extern "C"

@@ -98,3 +98,56 @@ def test_paths_and_their_log(caplog):
             assert "decode attention -> sdpa" in caplog.text
     finally:
         cpu.set_isa(None)
+
+
+# (B, Hq, Hkv, D, cache slots, chunk, ring, positions per row): a ring (slot p % chunk), a prefix
+# cache (slot p), a prefix cache masked to its chunk (the full layout's chunked layers)
+STEPS = [(1, 16, 4, 128, 64, 32, True, [45]), (3, 8, 2, 64, 100, 0, False, [0, 57, 99]),
+         (2, 10, 2, 16, 40, 16, False, [17, 33]), (2, 4, 4, 8, 8, 8, True, [7, 8])]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", STEPS, ids=lambda c: f"b{c[0]}-chunk{c[5]}-{'ring' if c[6] else 'prefix'}")
+def test_decode_step_is_the_cores_step_in_one_call(case, isa):
+    """``decode_step`` writes the cache as the core's step does and gives the same bits as the
+    core's step attending with ``decode_attention`` (the same kernel, its mask made in C)."""
+    from llama_lite import kv_cache
+
+    b, h, hkv, d, slots, chunk, ring, pos = case
+    g = torch.Generator().manual_seed(slots)
+    cache = [torch.randn(b, slots, hkv, d, generator=g).to(torch.bfloat16) for _ in range(2)]
+    q = torch.randn(b, 1, h, d, generator=g).to(torch.bfloat16)
+    qk = torch.randn(b, 1, h + hkv, d, generator=g).to(torch.bfloat16)
+    k = qk[:, :, h:]  # a view with a row stride of (h + hkv) * d, as the core's split leaves it
+    v = torch.randn(b, 1, hkv, d, generator=g).to(torch.bfloat16)
+    positions = torch.tensor(pos)
+    empty = torch.zeros(0)
+    mine = [c.clone() for c in cache]
+    out = attention.decode_step(q, k, v, *mine, empty, empty, positions, chunk, ring)
+    if isa == "none":
+        assert out is None and all(torch.equal(a, c) for a, c in zip(mine, cache))  # nothing written
+        return
+    core = [c.clone() for c in cache]
+    impl = kv_cache.register_attention(attention.decode_attention)
+    ref = kv_cache.decode_attention_eager(q, k, v, *core, empty, empty, positions, chunk, ring, impl)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    assert torch.equal(mine[0], core[0]) and torch.equal(mine[1], core[1])
+    slot = [p % chunk for p in pos] if ring else pos
+    assert all(torch.equal(mine[0][i, slot[i]], k[i, 0]) for i in range(b))  # the new key is there
+
+
+def test_decode_step_leaves_other_caches_to_the_core():
+    """fp8 caches, fp32 activations and positions beyond the cache are not the kernel's."""
+    q = torch.randn(1, 1, 4, 16).to(torch.bfloat16)
+    k = v = torch.randn(1, 1, 2, 16).to(torch.bfloat16)
+    bf16 = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
+    fp8 = torch.zeros(1, 8, 2, 16, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(1, 8, 2)
+    empty = torch.zeros(0)
+    pos = torch.tensor([3])
+    assert attention.decode_step(q, k, v, fp8, fp8.clone(), scales, scales.clone(), pos, 0, False) is None
+    assert attention.decode_step(q.float(), k.float(), v.float(), bf16.float(), bf16.float(), empty, empty, pos, 0,
+                                 False) is None  # fmt: skip
+    if cpu.isa() != "none":
+        with pytest.raises(RuntimeError, match="rejected positions"):
+            attention.decode_step(q, k, v, bf16, bf16.clone(), empty, empty, torch.tensor([8]), 0, False)
+        assert torch.equal(bf16, torch.zeros_like(bf16))  # a rejected step writes nothing

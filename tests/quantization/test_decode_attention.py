@@ -25,23 +25,32 @@ def _decode_logits(llama):
 def test_loader_installs_the_kernel_and_decode_agrees_with_sdpa(tiny_ckpt, dist1, monkeypatch):
     llama = quantization.build(tiny_ckpt, "int4_mixed", max_seq_len=64, max_batch_size=1, progress=False)
     layers = [m for m in llama.model.modules() if isinstance(m, Attention)]
-    impl = register_attention(kernels.decode_attention)
+    impl = register_attention(kernels.decode_attention, kernels.decode_step)
     assert impl != 0 and layers and all(m.attend_impl == impl for m in layers)
 
-    calls = []
-    real = attention.decode_attention
+    calls, steps = [], []
+    real, real_step = attention.decode_attention, attention.decode_step
     monkeypatch.setattr(attention, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    impl_counting = register_attention(attention.decode_attention)
+    monkeypatch.setattr(attention, "decode_step", lambda *a: steps.append(1) or real_step(*a))
     for m in layers:
-        m.attend_impl = impl_counting
+        m.attend_impl = register_attention(attention.decode_attention, attention.decode_step)
+    with_step = _decode_logits(llama)
+    assert len(steps) == len(NEXT) * len(layers)  # every decode step of every layer, none in prefill
+    assert len(calls) == (len(steps) if kernels.cpu.isa() == "none" else 0)  # the step did it all
+
+    for m in layers:
+        m.attend_impl = register_attention(attention.decode_attention)  # the core writes, the kernel attends
+    llama.model.setup_caches()
     with_kernel = _decode_logits(llama)
-    assert len(calls) == len(NEXT) * len(layers)  # every decode step of every layer, none in prefill
+    assert len(calls) == len(NEXT) * len(layers) * (2 if kernels.cpu.isa() == "none" else 1)
+    assert torch.equal(with_step, with_kernel)  # the same kernel, the same mask: the same bits
+    calls.clear()
 
     for m in layers:
         m.attend_impl = 0  # the core's SDPA
     llama.model.setup_caches()
     with_sdpa = _decode_logits(llama)
-    assert len(calls) == len(NEXT) * len(layers)
+    assert not calls  # the core's own path
     err = (with_kernel - with_sdpa).abs().max() / with_sdpa.abs().max()
     assert err <= 2e-2, err.item()  # bf16 activations either way; the two differ in p's rounding
 
