@@ -289,6 +289,7 @@ class MoE(nn.Module):
         self.experts = Experts(args.moe_args.num_experts, args.dim, hidden)
         self.router_DE = nn.Parameter(torch.empty(args.dim, args.moe_args.num_experts))
         self._router_key, self._router_ED = None, None  # router_logits' fp32 copy and what it was made from
+        self._one_token_offsets: dict = {}  # (expert, device) -> offsets [E + 1] of one row routed there
         self.shared_expert = FeedForward(args.dim, hidden, do_reduce=False)
 
     def router_logits(self, x_aD: torch.Tensor) -> torch.Tensor:
@@ -325,9 +326,32 @@ class MoE(nn.Module):
         offsets = torch.searchsorted(experts_T[order_T], bounds)
         return order_T // self.top_k, scores_aK.flatten()[order_T], offsets
 
+    def route_one(self, x_1D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``route`` for one token with top-1 routing: (its score [1, 1], offsets [E + 1]). Its
+        expert is read on the host and the offsets are kept per expert: none of the sort, search
+        and index ops that route many tokens."""
+        score_11, expert_11 = torch.topk(self.router_logits(x_1D), 1, dim=-1)
+        key = (int(expert_11), x_1D.device)
+        offsets = self._one_token_offsets.get(key)
+        if offsets is None:
+            bounds = torch.arange(self.router_DE.shape[1] + 1, device=x_1D.device)
+            offsets = self._one_token_offsets[key] = (bounds > key[0]).to(torch.long)
+        return torch.sigmoid(score_11), offsets
+
+    def _one_token(self, x_1D: torch.Tensor) -> torch.Tensor:
+        """``forward`` of one token with top-1 routing (decode at batch 1): the same operations on
+        the same values as the general route, ~15 fewer ops per layer."""
+        score_11, offsets = self.route_one(x_1D)
+        routed_1D = self.experts(x_1D * score_11, offsets)
+        out_1D = self.shared_expert(x_1D)
+        out_1D += routed_1D
+        return out_1D
+
     def forward(self, x_bsD: torch.Tensor) -> torch.Tensor:
         shape = x_bsD.shape
         x_aD = x_bsD.reshape(-1, shape[-1])
+        if x_aD.shape[0] == 1 and self.top_k == 1 and not torch.compiler.is_compiling():
+            return reduce_parallel(self._one_token(x_aD)).view(shape)
         token_T, score_T, offsets = self.route(x_aD)
         routed_TD = self.experts(x_aD[token_T] * score_T.unsqueeze(-1), offsets)
         out_aD = self.shared_expert(x_aD)

@@ -53,13 +53,25 @@ def same_routing(follower, leader):
                 flips.append((int(row), ((top[-2] - top[-1]) / ref[row].abs().max()).item()))
             return last["out"]
 
+        def lead_one(x, moe=moe_l, last=last):  # one token's top-1 route (decode at batch 1)
+            last["logits_one"], last["out_one"] = (x @ moe.router_DE).float(), type(moe).route_one(moe, x)
+            return last["out_one"]
+
+        def follow_one(x, moe=moe_f, last=last):
+            own, ref = (x @ moe.router_DE).float().argmax(-1), last["logits_one"]
+            if int(own) != int(ref.argmax(-1)):
+                top = ref[0].topk(2).values
+                flips.append((0, ((top[0] - top[1]) / ref[0].abs().max()).item()))
+            return last["out_one"]
+
         moe_l.route, moe_f.route = lead, follow
+        moe_l.route_one, moe_f.route_one = lead_one, follow_one
         pinned += [moe_l, moe_f]
     try:
         yield flips
     finally:
         for moe in pinned:
-            del moe.route
+            del moe.route, moe.route_one
 
 
 def free_port() -> int:

@@ -12,14 +12,22 @@ class RouteLog:
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[list[int], list[float]]] = []
-        route = MoE.route
+        route, route_one = MoE.route, MoE.route_one
 
-        def logged(moe, x_aD):
+        def record(moe, x_aD):
             top2 = (x_aD @ moe.router_DE).float().topk(2, dim=-1)
             self.calls.append((top2.indices[..., 0].flatten().tolist(), (top2.values[..., 0] - top2.values[..., 1]).flatten().tolist()))
+
+        def logged(moe, x_aD):
+            record(moe, x_aD)
             return route(moe, x_aD)
 
+        def logged_one(moe, x_1D):  # one token's top-1 route (decode at batch 1)
+            record(moe, x_1D)
+            return route_one(moe, x_1D)
+
         monkeypatch.setattr(MoE, "route", logged)
+        monkeypatch.setattr(MoE, "route_one", logged_one)
 
     def per_position(self, n_layers: int) -> tuple[list[list[int]], list[list[float]]]:
         """[layer][position] experts and gaps over the calls recorded so far (calls cover positions in order)."""

@@ -1,5 +1,6 @@
 """The MoE router's logits (``MoE.router_logits``): an fp32 product on a cached fp32 copy of the
-router, which must equal the bf16 matmul up to summation order and follow the weight when it changes."""
+router, which must equal the bf16 matmul up to summation order and follow the weight when it changes.
+And one token's top-1 route (``MoE._one_token``), which must give the general route's bits."""
 
 import pytest
 import torch
@@ -48,3 +49,28 @@ def test_router_logits_follow_a_changed_weight(dist1):
     moe.router_DE = torch.nn.Parameter(torch.zeros(320, 16, dtype=torch.bfloat16))  # replaced
     with torch.inference_mode():
         assert bool((moe.router_logits(x) == 0).all())
+
+
+def _general_route(moe, x_aD):
+    """MoE.forward as it routes many tokens (sort, search, gather, indexed add), written out."""
+    token_T, score_T, offsets = moe.route(x_aD)
+    routed_TD = moe.experts(x_aD[token_T] * score_T.unsqueeze(-1), offsets)
+    out_aD = moe.shared_expert(x_aD)
+    return out_aD.index_add_(0, token_T, routed_TD)
+
+
+def test_one_token_takes_the_general_routes_values(dist1):
+    moe = _moe()
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name != "router_DE":
+                p.copy_(torch.randn(p.shape) * 0.1)
+    experts = set()
+    with torch.inference_mode():
+        for _ in range(24):
+            x = torch.randn(1, 1, 320, dtype=torch.bfloat16)
+            got = moe(x)
+            assert got.shape == x.shape
+            assert torch.equal(got.view(1, -1), _general_route(moe, x.view(1, -1)))
+            experts.add(int(moe.router_logits(x.view(1, -1)).argmax()))
+    assert len(experts) >= 4  # the offsets kept for several experts, each right
