@@ -350,7 +350,8 @@ class MoE(nn.Module):
     def forward(self, x_bsD: torch.Tensor) -> torch.Tensor:
         shape = x_bsD.shape
         x_aD = x_bsD.reshape(-1, shape[-1])
-        if x_aD.shape[0] == 1 and self.top_k == 1 and not torch.compiler.is_compiling():
+        # on a CPU: reading the expert on the host would stall a GPU's stream every layer
+        if x_aD.shape[0] == 1 and self.top_k == 1 and x_aD.device.type == "cpu" and not torch.compiler.is_compiling():
             return reduce_parallel(self._one_token(x_aD)).view(shape)
         token_T, score_T, offsets = self.route(x_aD)
         routed_TD = self.experts(x_aD[token_T] * score_T.unsqueeze(-1), offsets)
