@@ -10,7 +10,9 @@ the default is the best this CPU has, and a cap above what the CPU has is refuse
   accumulation; int4's group scales, not exact in bf16, are applied to each group's fp32 sum.
 * ``avx512`` (AVX-512 with BF16 and VBMI, no AMX: AMD Zen 4/5, Ice Lake; ``llk.cpp``): the same
   GEMV for fp32 activations; bf16 (and fp8 / nvfp4-quantized) activations through ``llk_gemv_dp``:
-  weights decoded to bf16, exactly, for vdpbf16ps with fp32 sums (``GEMV_DOT``); more rows: fp32
+  weights decoded to bf16, exactly, for vdpbf16ps with fp32 sums (``GEMV_DOT``); more rows of such
+  activations through ``llk_dpgemm``: ``llk_amx``'s decoder, activation tiles and group-scale
+  flushes, with vdpbf16ps in zmm registers in place of tiles; more rows of fp32 activations: fp32
   weight tiles from the AVX2 library and PyTorch's fp32 GEMM.
 * ``avx2`` (AVX2 + FMA + F16C: most laptops, AMD Zen 1-3; ``llk_avx2.cpp``): a GEMV of the same
   numerics built from 256-bit shuffles and FMAs; more rows: its fp32 weight tiles and PyTorch's
@@ -89,13 +91,15 @@ from .reference import Weight, check_offsets
 
 log = logging.getLogger("llama_lite.kernels")
 
-# Rows of one expert up to which the fp32-FMA GEMV beats the path for many rows, per path and
-# weight format. amx: measured one core, weights in L2 (int4 / w4a8 / nvfp4 GEMV ~1.5x AMX at 1 row
-# and ahead at 2; fp8 even at 1 row and behind at 2). avx512 / avx2: the GEMV against fp32 tiles
-# + PyTorch's fp32 GEMM (see scripts.bench_kernels).
+# Rows of one expert up to which the GEMV beats the path for many rows, per path and weight
+# format. amx: measured one core, weights in L2 (int4 / w4a8 / nvfp4 GEMV ~1.5x AMX at 1 row and
+# ahead at 2; fp8 even at 1 row and behind at 2). avx512: the bf16 dot-product GEMV against
+# llk_dpgemm on one 4096 x 2048 expert, 2 Zen 4 cores: at 12 rows 0.96-1.06x, at 16 0.63-0.83x
+# (fp8 1.03x; 0.88x at 24). avx2: the GEMV against fp32 tiles + PyTorch's fp32 GEMM (see
+# scripts.bench_kernels).
 GEMV_MAX_ROWS = {
     "amx": {W_INT4: 2, W_FP4: 2, W_FP8: 1},
-    "avx512": {W_INT4: 16, W_FP4: 16, W_FP8: 16},
+    "avx512": {W_INT4: 12, W_FP4: 12, W_FP8: 16},
     "avx2": {W_INT4: 64, W_FP4: 64, W_FP8: 64},
 }
 # How each path's GEMV multiplies activations that are exact in bf16 (few rows per expert; bf16
@@ -544,10 +548,12 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
     large = [i for i in range(e1) if counts[i] > limit]
     if not large:
         return out
-    if path == "amx":
-        # bf16 activations in the order llk_amx reads; a fp32 input that is not exactly bf16 goes in
-        # as three bf16 rows
-        exact = form["act"] is not None or x.dtype == torch.bfloat16
+    exact = form["act"] is not None or x.dtype == torch.bfloat16
+    if path == "amx" or path == "avx512" and exact:
+        # bf16 activations in the order llk_amx reads (llk_dpgemm, its form without AMX, reads the
+        # same); on amx a fp32 input that is not exactly bf16 goes in as three bf16 rows, on avx512
+        # it takes the fp32 tiles below
+        gemm, gemm_name = (lib.llk_amx, "llk_amx") if path == "amx" else (lib.llk_dpgemm, "llk_dpgemm")
         rep = 1 if exact else 3
         if not exact:
             xb = _split_bf16(xa)
@@ -559,14 +565,14 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
         if rep == 1:
             args = _args(form, xt, tok, out, starts, ends, form3)
             for i in large:
-                _check(lib.llk_amx(ctypes.byref(args), i, xt.shape[1]), "llk_amx")
+                _check(gemm(ctypes.byref(args), i, xt.shape[1]), gemm_name)
             return out
 
         def products(f: dict) -> torch.Tensor:  # x W.T of the large experts, the three parts summed
             out_t = torch.zeros(t * rep, n, dtype=torch.float32)
             args = _args(f, xt, tok, out_t, starts, ends, None)
             for i in large:
-                _check(lib.llk_amx(ctypes.byref(args), i, xt.shape[1]), "llk_amx")
+                _check(gemm(ctypes.byref(args), i, xt.shape[1]), gemm_name)
             return out_t.view(t, rep, n).sum(dim=1)
 
         # the SwiGLU epilogue needs whole products, not each part's apart

@@ -150,6 +150,7 @@ def _declare(lib: ctypes.CDLL, kind: str) -> None:
     ]
     own = {
         "avx512": [("llk_amx_init", [], ctypes.c_int), ("llk_amx", [args, i64, i64], ctypes.c_int),
+                   ("llk_dpgemm", [args, i64, i64], ctypes.c_int),
                    ("llk_gemv_dp", [args], ctypes.c_int),
                    ("llk_gemv_dp_bf16io", [args, vp, i64, i64, vp, i64, vp, i64], ctypes.c_int)],
         "avx2": [("llk_gemv_order", [ctypes.c_int, vp], ctypes.c_int), ("llk_gemv_q8", [args], ctypes.c_int),

@@ -788,6 +788,127 @@ static void amx_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp)
 }
 
 // ------------------------------------------------------------------------------------------
+// Many rows without AMX (AVX-512 BF16: AMD Zen 4/5): the AMX path's work split, weight decoder and
+// activation tiles, multiplied with vdpbf16ps in zmm registers instead of tiles. The same pairs
+// of exact bf16 products summed in fp32 (lane m of a B-tile row is x[m] at a K pair, a weight
+// row's dword i is that row at the same pair), int4's group scales applied to each group's fp32
+// sums: the numbers of llk_amx up to fp32 summation order.
+
+static const int kDpgVec = 3;   // 16-row activation vectors per register block
+static const int kDpgRows = 8;  // weight rows per register block (each pair broadcast)
+
+// acc[r0 + r][16 t0 ...] (row stride mpad) += s[r] * (weight rows r0 + r, r < 8, of the decoded
+// block wdec [chunk][kAmxTileN rows][32 bf16] times activation tiles t0 .. t0 + MV over chunks
+// [c0, c1)); s null: unscaled.
+template <int MV>
+static inline void dpg_block(const uint16_t* wdec, const uint32_t* b, int64_t kc, int64_t t0, int64_t r0, int64_t c0,
+                             int64_t c1, const float* s, float* acc, int64_t mpad) {
+    __m512 c[MV][kDpgRows];
+    for (int v = 0; v < MV; v++)
+        for (int r = 0; r < kDpgRows; r++) c[v][r] = _mm512_setzero_ps();
+    for (int64_t cg = c0; cg < c1; cg++) {
+        const uint32_t* wc = (const uint32_t*)(wdec + (cg * kAmxTileN + r0) * 32);  // row r at wc + 16 r
+        const uint32_t* bc = b + (t0 * kc + cg) * 256;                              // tile t0 + v at bc + v kc 256
+        for (int i = 0; i < 16; i++) {
+            __m512bh xv[MV];
+            for (int v = 0; v < MV; v++) xv[v] = (__m512bh)_mm512_loadu_si512(bc + v * kc * 256 + 16 * i);
+            for (int r = 0; r < kDpgRows; r++) {
+                const __m512bh wb = (__m512bh)_mm512_set1_epi32((int)wc[16 * r + i]);
+                for (int v = 0; v < MV; v++) c[v][r] = _mm512_dpbf16_ps(c[v][r], xv[v], wb);
+            }
+        }
+    }
+    for (int r = 0; r < kDpgRows; r++) {
+        const __m512 sc = _mm512_set1_ps(s ? s[r] : 1.0f);
+        for (int v = 0; v < MV; v++) {
+            float* dst = acc + (r0 + r) * mpad + 16 * (t0 + v);
+            _mm512_storeu_ps(dst, _mm512_fmadd_ps(c[v][r], sc, _mm512_loadu_ps(dst)));
+        }
+    }
+}
+
+// acc[nn][m] (kAmxTileN x mpad fp32) = weight rows [n0, n0 + 32) of expert e times the mt B tiles,
+// group scales included (amx_rows' result). The 32 rows are decoded over all of K once into
+// wdec (L2: 64 bytes per row and K chunk), then multiplied with every block of activation tiles.
+template <int WF, int SF, bool FLUSH, bool FOLD, bool DP>
+static void dpg_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n0, int64_t kp, const uint32_t* b,
+                     int64_t mt, float* acc, int64_t mpad, uint16_t* wdec, const Tables& t) {
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int64_t kc = kp / 32, steps = (kc + 3) / 4;
+    const int64_t ngroups = a.gs > 0 ? a.K / a.gs : 0;
+    const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
+    const int64_t cpg = FLUSH ? a.gs / 32 : kc;  // 32-value chunks per group (both orders keep them whole)
+    const uint8_t* wrows[kAmxTileN];
+    const void* srows[kAmxTileN];
+    for (int r = 0; r < kAmxTileN; r++) {  // rows past N repeat the last row; their outputs are dropped
+        const int64_t n = std::min<int64_t>(n0 + r, a.N - 1);
+        wrows[r] = w.w + e * w.w_estride + n * w.w_ldn;
+        srows[r] = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+    }
+    for (int64_t st = 0; st < steps; st++)
+        decode_step<WF, SF, FOLD, DP>(wrows, srows, st, row_bytes, a.gs, ngroups, wdec + st * 4096, kPrefetch, t);
+    memset(acc, 0, sizeof(float) * kAmxTileN * mpad);
+    for (int64_t t0 = 0; t0 < mt; t0 += kDpgVec) {
+        for (int64_t r0 = 0; r0 < kAmxTileN; r0 += kDpgRows) {
+            for (int64_t c0 = 0; c0 < kc; c0 += cpg) {
+                float s[kDpgRows];
+                if (FLUSH)
+                    for (int r = 0; r < kDpgRows; r++)
+                        s[r] = scale_at<SF>(srows[r0 + r], std::min<int64_t>(c0 / cpg, ngroups - 1), t);
+                const int64_t c1 = std::min(kc, c0 + cpg);
+                const float* sp = FLUSH ? s : nullptr;
+                switch (std::min<int64_t>(kDpgVec, mt - t0)) {
+                    case 1: dpg_block<1>(wdec, b, kc, t0, r0, c0, c1, sp, acc, mpad); break;
+                    case 2: dpg_block<2>(wdec, b, kc, t0, r0, c0, c1, sp, acc, mpad); break;
+                    default: dpg_block<kDpgVec>(wdec, b, kc, t0, r0, c0, c1, sp, acc, mpad); break;
+                }
+            }
+        }
+    }
+}
+
+template <int WF, int SF>
+static void dpg_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp) {
+    const Tables& t = tables();
+    const int64_t rows = a.row_end[e] - a.row_start[e];
+    const int64_t mt = (rows + 15) / 16, mpad = mt * 16;
+    const int64_t n_items = (a.N + kAmxTileN - 1) / kAmxTileN;
+    const bool swiglu = a.w3.w != nullptr;
+    constexpr bool FOLD = WF == W_FP4 || (WF == W_INT4 && SF == S_E4M3);  // as amx_impl
+    constexpr bool FLUSH = WF == W_INT4 && !FOLD;
+    const bool dp = WF == W_INT4 && a.gs % 128 == 0;  // x in "dp" order (cpu.py _amx_order)
+    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
+    const int64_t steps = (kp / 32 + 3) / 4;
+    const int nt = (int)std::min<int64_t>(n_items, threads_for(a.N * row_bytes * (swiglu ? 2 : 1) * (1 + mt), a.nthreads));
+#pragma omp parallel num_threads(nt)
+    {
+        uint16_t* wdec = (uint16_t*)scratch(0, steps * 4096 * 2);
+        float* acc1 = (float*)scratch(1, kAmxTileN * mpad * 4);
+        float* acc3 = swiglu ? (float*)scratch(2, kAmxTileN * mpad * 4) : nullptr;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++) {
+            const int64_t n0 = i * kAmxTileN;
+            auto both = [&](auto D) {
+                dpg_rows<WF, SF, FLUSH, FOLD, D.value>(a, a.w1, e, n0, kp, b, mt, acc1, mpad, wdec, t);
+                if (swiglu) dpg_rows<WF, SF, FLUSH, FOLD, D.value>(a, a.w3, e, n0, kp, b, mt, acc3, mpad, wdec, t);
+            };
+            if (dp) both(std::integral_constant<bool, WF == W_INT4>{});
+            else both(std::false_type{});
+            const int64_t n1 = std::min<int64_t>(n0 + kAmxTileN, a.N);
+            for (int64_t m = 0; m < rows; m++) {
+                const int64_t r = a.row_start[e] + m;
+                const float ts = a.tokscale ? a.tokscale[r] : 1.0f;
+                for (int64_t n = n0; n < n1; n++) {
+                    float v = acc1[(n - n0) * mpad + m] * factor(a.w1, e, n) * ts;
+                    if (swiglu) v = silu(v) * (acc3[(n - n0) * mpad + m] * factor(a.w3, e, n) * ts);
+                    a.out[r * a.ldo + n] = v;
+                }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
 // activation quantization: the same fp32 operations, in the same order, as kernels/reference.py,
 // so the quantized values are bit-identical (built with -ffp-contract=off).
 
@@ -1019,6 +1140,17 @@ int llk_amx(const LlkArgs* a, int64_t e, int64_t kp) {
     uint32_t* b = (uint32_t*)scratch(3, ((rows + 15) / 16) * 16 * (kp / 2) * 4);
     pack_b((const uint16_t*)a->x + a->row_start[e] * a->ldx, a->ldx, rows, kp, b);
     LLK_DISPATCH(amx_impl, *a, e, b, kp);
+    return 0;
+}
+
+// llk_amx without AMX: vdpbf16ps in registers (AVX-512 BF16), same arguments and x order.
+int llk_dpgemm(const LlkArgs* a, int64_t e, int64_t kp) {
+    if (!supported(a) || kp % 32) return -1;
+    const int64_t rows = a->row_end[e] - a->row_start[e];
+    if (rows <= 0) return 0;
+    uint32_t* b = (uint32_t*)scratch(3, ((rows + 15) / 16) * 16 * (kp / 2) * 4);
+    pack_b((const uint16_t*)a->x + a->row_start[e] * a->ldx, a->ldx, rows, kp, b);
+    LLK_DISPATCH(dpg_impl, *a, e, b, kp);
     return 0;
 }
 

@@ -372,15 +372,16 @@ def test_nvfp4_k_not_a_multiple_of_32(isa):
 def test_bf16_activations_keep_fp32_numerics(fmt, lib_isa):
     """bf16 activations (decode in a bf16 model) through the GEMV the path picks for them
     (cpu.GEMV_DOT: fp32 FMAs, or weights decoded to bf16 for vdpbf16ps with int4's group scales on
-    each group's fp32 sum), read in fp32 before any rounding: the fp32 bound against the reference
-    on the same values, for 1 to 17 rows per expert, K not a multiple of 256 and empty experts."""
+    each group's fp32 sum; many rows: llk_dpgemm on avx512, AMX tiles on amx), read in fp32 before
+    any rounding: the fp32 bound against the reference on the same values, for 1 to 40 rows per
+    expert, K not a multiple of 256 and empty experts."""
     for k in (128, 640):
         w = FORMATS[fmt](40, k, lead=(3,), seed=k + 7)
         form = cpu._form(w)
         if form["path"] == "torch":  # no C kernel for this layout (test_linear_matches_reference covers it)
             assert fmt == "int4_a8_g32"
             return
-        for counts in ([1, 0, 2], [5, 8, 0], [17, 1, 3]):
+        for counts in ([1, 0, 2], [5, 8, 0], [17, 1, 3], [40, 0, 13]):
             off = [0, counts[0], counts[0] + counts[1], sum(counts)]
             x = torch.randn(off[-1], k, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(sum(counts)))
             ref = R.grouped_linear(x.float(), torch.tensor(off), w)
