@@ -99,3 +99,18 @@ def worker_results(tmp: Path, ckpt: Path, modes: str, world: int, targets: str =
     proc = run_ranks(world, [str(WORKER), str(ckpt), str(out), modes, str(world), targets], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=True)
+
+
+def mapping_flags(t: torch.Tensor) -> list[tuple[int, int, set]]:
+    """(start, end, VmFlags) of each mapping of this process that overlaps t's memory."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.nbytes
+    found, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if not head[0].endswith(":"):
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                cur = (a, b) if a < hi and b > lo else None
+            elif head[0] == "VmFlags:" and cur:
+                found.append((*cur, set(head[1:])))
+    return found

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, make_checkpoint, same_routing, worker_results
+from helpers import ROOT, make_checkpoint, mapping_flags, same_routing, worker_results
 from kernels import cpu
 from kernels.formats import dequantize_weight
 from llama_lite.checkpoint import Checkpoint, write_meta_checkpoint
@@ -208,8 +208,13 @@ from quantization.modules import model_weight_bytes
 stored, _ = model_weight_bytes(llama.model)
 kv = sum(l.attention.cache_k.nbytes + l.attention.cache_v.nbytes for l in llama.model.layers
          if l.attention.cache_k is not None)
+from quantization.sharding import tensor_fields
+from kernels.formats import QuantizedWeight
+large = [t for m in llama.model.modules() for w in vars(m).values() if isinstance(w, QuantizedWeight.__args__)
+         for t in tensor_fields(w).values() if t.nbytes >= 2**21]
 print(json.dumps({{"base": base, "peak": peak[0], "end": anon(), "stored": stored, "rss_grew": hwm - base_rss,
-                  "kv": kv}}))
+                  "kv": kv, "large": len(large), "aligned": sum(t.data_ptr() % 2**21 == 0 for t in large),
+                  "table_aligned": llama.model.tok_embeddings.weight.data_ptr() % 2**21 == 0}}))
 """
 
 
@@ -244,6 +249,28 @@ def test_int4_load_never_holds_the_bf16_model(ckpt_root):
     file_pages = m["rss_grew"] - grown
     assert file_pages <= 2 * expert_bytes_per_layer + table_bytes + 8 * 2**20, (file_pages, expert_bytes_per_layer)
     assert m["rss_grew"] <= 1.25 * (m["stored"] + m["kv"]) + table_bytes, (m["rss_grew"], m["stored"], m["kv"])
+    # The embedding table (copied, not mapped) lies in 2 MiB-aligned memory advised for huge pages
+    # (kernels.memory), and so do any quantized tensors of 2 MiB or more (none on this preset).
+    assert m["aligned"] == m["large"] and m["table_aligned"], m
+
+
+def test_weights_that_run_on_the_cpu_lie_in_huge_pages(tiny_ckpt):
+    """Quantized tensors of 2 MiB or more and bf16 tensors the loader copies go to memory advised
+    for 2 MiB pages; bf16 weights that stay views of the memory-mapped checkpoint stay there; with
+    prepare=False (weights only to be saved) nothing moves."""
+    from kernels.memory import HUGE_PAGE
+
+    def advised(t):
+        return t.data_ptr() % HUGE_PAGE == 0 and any("hg" in f for _, _, f in mapping_flags(t))
+
+    llama = build(tiny_ckpt, "int4_mixed", targets="output", max_seq_len=16, max_batch_size=1)
+    out_w = llama.model.output.weight.qweight
+    assert out_w.nbytes >= HUGE_PAGE and advised(out_w)
+    assert advised(llama.model.tok_embeddings.weight)
+    wq = llama.model.layers[0].attention.wq.weight
+    assert not advised(wq)
+    raw = Checkpoint(tiny_ckpt)
+    assert torch.equal(llama.model.tok_embeddings.weight, raw.get("tok_embeddings.weight"))
 
 
 def llama_models_layout(src, dst, mp: int):
