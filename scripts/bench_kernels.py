@@ -39,6 +39,7 @@ import os
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import dataclasses
 import json as _json
 import platform
 import statistics
@@ -50,6 +51,7 @@ import fire
 import torch
 
 from kernels import attention, cpu, reference
+from kernels.memory import huge_page_copy
 from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, W4A8Weight
 
 FORMATS = ("bf16", "int4", "int4_a8", "fp8", "w4a8", "nvfp4", "nvfp4_w4a4")
@@ -83,6 +85,15 @@ QUICK = (
 
 
 def make_weight(fmt: str, n: int, k: int, e: Optional[int] = None, seed: int = 0):
+    """A random weight of ``fmt``, its tensors in 2 MiB pages where the quantized loader puts them."""
+    w = _make_weight(fmt, n, k, e, seed)
+    if isinstance(w, torch.Tensor):
+        return huge_page_copy(w)
+    fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
+    return dataclasses.replace(w, **{k: huge_page_copy(v) for k, v in fields.items() if isinstance(v, torch.Tensor)})
+
+
+def _make_weight(fmt: str, n: int, k: int, e: Optional[int] = None, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     lead = () if e is None else (e,)
     if fmt == "bf16":
@@ -337,8 +348,8 @@ def run(quick: bool = False, json: Optional[str] = None, backends: str = "cpu,re
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(default: spin)"),
     )  # fmt: skip
     print(f"# {info}", flush=True)
-    # the streaming-read reference: larger than the LLC except in --quick
-    stream = torch.ones((1 << 20) if quick else (256 << 20), dtype=torch.float32)  # 4 MiB / 1 GiB
+    # the streaming-read reference, in 2 MiB pages as the weights: larger than the LLC except in --quick
+    stream = huge_page_copy(torch.ones((1 << 20) if quick else (256 << 20), dtype=torch.float32))  # 4 MiB / 1 GiB
     rows = []
     for case in selected:
         rows += run_case(case, paths, reps, stream)

@@ -131,11 +131,14 @@ class MemoryMonitor:
 
 class StreamRead:
     """A plain streaming read (a sum over a buffer larger than any cache) timed as GB/s: the
-    machine's memory bandwidth right now, as one thread pool of this process can pull it."""
+    machine's memory bandwidth right now, as one thread pool of this process can pull it. The
+    buffer is in 2 MiB pages, as the quantized loader places weights (kernels.memory)."""
 
     def __init__(self, nbytes: int, buffer_bytes: int = 512 * 1024**2):
+        from kernels.memory import huge_page_copy
+
         size = max(64 * 1024**2, min(buffer_bytes, nbytes))
-        self.buf = torch.ones(size // 4, dtype=torch.float32)
+        self.buf = huge_page_copy(torch.ones(size // 4, dtype=torch.float32))
         self.passes = max(1, round(nbytes / size))
         self.buf.sum()  # fault the pages in
 
