@@ -525,6 +525,35 @@ static void dp_impl(const LlkArgs& a) {
 
 static const int kAmxTileN = 32;  // weight rows per work item (two A tiles)
 
+// Row pointers (weights, scales) of the kAmxTileN weight rows from n0 of expert e; rows past N
+// repeat the last row, and their outputs are dropped.
+template <int SF>
+static inline void tile_row_pointers(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n0,
+                                     const uint8_t* wrows[kAmxTileN], const void* srows[kAmxTileN]) {
+    const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
+    for (int r = 0; r < kAmxTileN; r++) {
+        const int64_t n = std::min<int64_t>(n0 + r, a.N - 1);
+        wrows[r] = w.w + e * w.w_estride + n * w.w_ldn;
+        srows[r] = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+    }
+}
+
+// out rows of expert e, columns [n0, n0 + kAmxTileN) from acc1 (and acc3: SwiGLU), [nn][m] with
+// row stride mpad: times each row's factor and each token's scale.
+static inline void tile_out(const LlkArgs& a, int64_t e, int64_t n0, int64_t rows, const float* acc1,
+                            const float* acc3, int64_t mpad) {
+    const int64_t n1 = std::min<int64_t>(n0 + kAmxTileN, a.N);
+    for (int64_t m = 0; m < rows; m++) {
+        const int64_t r = a.row_start[e] + m;
+        const float ts = a.tokscale ? a.tokscale[r] : 1.0f;
+        for (int64_t n = n0; n < n1; n++) {
+            float v = acc1[(n - n0) * mpad + m] * factor(a.w1, e, n) * ts;
+            if (acc3) v = silu(v) * (acc3[(n - n0) * mpad + m] * factor(a.w3, e, n) * ts);
+            a.out[r * a.ldo + n] = v;
+        }
+    }
+}
+
 struct TileConfig {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -682,18 +711,13 @@ static void amx_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n0
     const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
     const int64_t kc = kp / 32, steps = (kc + 3) / 4;
     const int64_t ngroups = a.gs > 0 ? a.K / a.gs : 0;
-    const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
     const int64_t cpg = FLUSH ? a.gs / 32 : kc;  // 32-value chunks per group (tile order keeps them whole)
     const bool resident = mt <= 2;               // accumulators stay in tiles across K
     const int64_t bsteps = resident ? 1 : kAmxBlockSteps;
     const int64_t bchunks = 4 * bsteps, nblocks = (steps + bsteps - 1) / bsteps;
     const uint8_t* wrows[kAmxTileN];
     const void* srows[kAmxTileN];
-    for (int r = 0; r < kAmxTileN; r++) {  // rows past N repeat the last row; their outputs are dropped
-        const int64_t n = std::min<int64_t>(n0 + r, a.N - 1);
-        wrows[r] = w.w + e * w.w_estride + n * w.w_ldn;
-        srows[r] = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
-    }
+    tile_row_pointers<SF>(a, w, e, n0, wrows, srows);
     auto decode_block = [&](int64_t blk, uint16_t* out) {
         for (int64_t st = blk * bsteps; st < std::min(steps, (blk + 1) * bsteps); st++)
             decode_step<WF, SF, FOLD, DP>(wrows, srows, st, row_bytes, a.gs, ngroups, out + (st - blk * bsteps) * 4096,
@@ -772,16 +796,7 @@ static void amx_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp)
             };
             if (dp) both(std::integral_constant<bool, WF == W_INT4>{});
             else both(std::false_type{});
-            const int64_t n1 = std::min<int64_t>(n0 + kAmxTileN, a.N);
-            for (int64_t m = 0; m < rows; m++) {
-                const int64_t r = a.row_start[e] + m;
-                const float ts = a.tokscale ? a.tokscale[r] : 1.0f;
-                for (int64_t n = n0; n < n1; n++) {
-                    float v = acc1[(n - n0) * mpad + m] * factor(a.w1, e, n) * ts;
-                    if (swiglu) v = silu(v) * (acc3[(n - n0) * mpad + m] * factor(a.w3, e, n) * ts);
-                    a.out[r * a.ldo + n] = v;
-                }
-            }
+            tile_out(a, e, n0, rows, acc1, acc3, mpad);
         }
         _tile_release();
     }
@@ -836,15 +851,10 @@ static void dpg_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n0
     const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
     const int64_t kc = kp / 32, steps = (kc + 3) / 4;
     const int64_t ngroups = a.gs > 0 ? a.K / a.gs : 0;
-    const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
     const int64_t cpg = FLUSH ? a.gs / 32 : kc;  // 32-value chunks per group (both orders keep them whole)
     const uint8_t* wrows[kAmxTileN];
     const void* srows[kAmxTileN];
-    for (int r = 0; r < kAmxTileN; r++) {  // rows past N repeat the last row; their outputs are dropped
-        const int64_t n = std::min<int64_t>(n0 + r, a.N - 1);
-        wrows[r] = w.w + e * w.w_estride + n * w.w_ldn;
-        srows[r] = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
-    }
+    tile_row_pointers<SF>(a, w, e, n0, wrows, srows);
     for (int64_t st = 0; st < steps; st++)
         decode_step<WF, SF, FOLD, DP>(wrows, srows, st, row_bytes, a.gs, ngroups, wdec + st * 4096, kPrefetch, t);
     memset(acc, 0, sizeof(float) * kAmxTileN * mpad);
@@ -894,16 +904,7 @@ static void dpg_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp)
             };
             if (dp) both(std::integral_constant<bool, WF == W_INT4>{});
             else both(std::false_type{});
-            const int64_t n1 = std::min<int64_t>(n0 + kAmxTileN, a.N);
-            for (int64_t m = 0; m < rows; m++) {
-                const int64_t r = a.row_start[e] + m;
-                const float ts = a.tokscale ? a.tokscale[r] : 1.0f;
-                for (int64_t n = n0; n < n1; n++) {
-                    float v = acc1[(n - n0) * mpad + m] * factor(a.w1, e, n) * ts;
-                    if (swiglu) v = silu(v) * (acc3[(n - n0) * mpad + m] * factor(a.w3, e, n) * ts);
-                    a.out[r * a.ldo + n] = v;
-                }
-            }
+            tile_out(a, e, n0, rows, acc1, acc3, mpad);
         }
     }
 }
