@@ -102,6 +102,12 @@ GEMV_MAX_ROWS = {
     "avx512": {W_INT4: 12, W_FP4: 12, W_FP8: 16},
     "avx2": {W_INT4: 64, W_FP4: 64, W_FP8: 64},
 }
+# Rows of one expert up to which int4 with int8 activations takes the integer GEMV (the AVX2
+# library's on every path): amx multiplies more rows with AMX tiles; avx512's path for more rows
+# is fp32 tiles of the dequantized activations (not exact in bf16), so it keeps the GEMV as long
+# as avx2 does. On 2 Zen 4 cores, a 16-expert SwiGLU MoE layer (D 1024, F 2048) at 512 rows, 32
+# per expert, two processes each: with avx512's 12 rows 0.26-0.30x of bf16's speed, with 64 0.63x.
+INT8_GEMV_MAX_ROWS = {"amx": GEMV_MAX_ROWS["amx"][W_INT4], "avx512": 64, "avx2": GEMV_MAX_ROWS["avx2"][W_INT4]}
 # How each path's GEMV multiplies activations that are exact in bf16 (few rows per expert; bf16
 # activations, or fp8 / nvfp4-quantized ones): "fp32" decodes weights to fp32 in registers for
 # fp32 FMAs (llk_gemv), "bf16" decodes them to bf16 (exact for every format) for vdpbf16ps with
@@ -118,6 +124,13 @@ GEMV_DOT = {"amx": "fp32", "avx512": "bf16", "avx2": "fp32"}
 # (one 65536 x 5120 layer, the two alternating in one process: 0.79x the time at 1 row, 0.88x at
 # 2; on the 16-expert stack 56% -> 74% of a streaming read).
 GEMV_DOT_FORMAT = {("amx", W_FP4): "bf16"}
+
+
+def gemv_max_rows(form: dict) -> int:
+    """Rows of one expert up to which a weight's form takes its path's GEMV."""
+    if form["act"] == "int8":
+        return INT8_GEMV_MAX_ROWS[form["path"]]
+    return GEMV_MAX_ROWS[form["path"]][form["wfmt"]]
 
 
 def gemv_dot(path: str, wfmt: int) -> str:
@@ -280,8 +293,10 @@ def describe(w: Weight) -> str:
         if "int4pack" in form:
             return f"cpu/none{why}: PyTorch _weight_int4pack_mm_for_cpu up to {INT4PACK_MAX_ROWS} rows, fp32 tiles above"
         return f"cpu/none{why}: PyTorch, fp32 tiles of {TORCH_TILE_N} rows"
-    rows = GEMV_MAX_ROWS[path][form["wfmt"]]
-    big = "AMX fused dequant-GEMM" if path == "amx" else "fp32 weight tiles + PyTorch fp32 GEMM"
+    rows = gemv_max_rows(form)
+    big = {"amx": "AMX fused dequant-GEMM",
+           "avx512": "bf16-dot dequant-GEMM (llk_dpgemm) for activations exact in bf16, else fp32 weight tiles + PyTorch fp32 GEMM",
+           }.get(path, "fp32 weight tiles + PyTorch fp32 GEMM")  # fmt: skip
     dot = gemv_dot(path, form["wfmt"])
     gemv = "fp32-FMA" if dot == "fp32" else "bf16-dot (vdpbf16ps; fp32 FMA for fp32 activations)"
     return f"cpu/{path}: {gemv} fused dequant-GEMV up to {rows} rows per expert, {big} above"
@@ -502,7 +517,7 @@ def _decode_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[di
     if call is None:
         if off[0] != 0 or off[-1] != t:
             return None
-        limit = GEMV_MAX_ROWS[form["path"]][form["wfmt"]]
+        limit = gemv_max_rows(form)
         if any(b - a > limit for a, b in zip(off, off[1:])):
             return None
         a = LlkArgs.from_buffer_copy(template)
@@ -598,7 +613,7 @@ def _run_int8(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict]
     int8 activations (exact in fp32) through the path for unquantized activations."""
     e1, t = form["e"], x.shape[0]
     counts = [b - a for a, b in zip(off, off[1:])]
-    limit = GEMV_MAX_ROWS[form["path"]][W_INT4]
+    limit = gemv_max_rows(form)
     out = (torch.empty if off[0] == 0 and off[-1] == t else torch.zeros)(t, form["n"], dtype=torch.float32)
     small = [0 < c <= limit for c in counts]
     if any(small):

@@ -414,8 +414,8 @@ def test_decode_entry_gives_the_general_paths_bits(fmt, lib_isa):
                 off = [0, counts[0], counts[0] + counts[1], sum(counts)]
                 x = torch.randn(off[-1], k, dtype=torch.bfloat16)
                 fast = cpu._decode_bf16(f1, x, off)
-                # the amx path's GEMV takes few rows per expert (cpu.GEMV_MAX_ROWS); AMX tiles above
-                fits = max(counts) <= cpu.GEMV_MAX_ROWS[f1["path"]][f1["wfmt"]]
+                # the amx path's GEMV takes few rows per expert (cpu.gemv_max_rows); AMX tiles above
+                fits = max(counts) <= cpu.gemv_max_rows(f1)
                 assert (fast is not None) == (takes and fits)
                 if takes and fits:
                     assert torch.equal(fast, cpu._run(f1, x, off).to(torch.bfloat16))
@@ -427,7 +427,7 @@ def test_decode_entry_gives_the_general_paths_bits(fmt, lib_isa):
         assert cpu._decode_bf16(f1, x, [1, 2, 2, 3]) is None
         assert cpu._decode_bf16(f1, x, [0, 1, 1, 3]) is None  # a split kept for 3 rows, given 4
         assert cpu._decode_bf16(f1, x.float(), [0, 1, 2, 4]) is None
-        many = cpu.GEMV_MAX_ROWS[lib_isa][f1["wfmt"]] + 1
+        many = cpu.gemv_max_rows(f1) + 1
         assert cpu._decode_bf16(f1, torch.randn(many, k, dtype=torch.bfloat16), [0, many, many, many]) is None
     if takes:  # the dense entry point takes it too
         wd = FORMATS[fmt](24, 640, seed=5)
