@@ -53,6 +53,7 @@ import torch
 from kernels import attention, cpu, reference
 from kernels.memory import huge_page_copy
 from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, W4A8Weight
+from quantization.sharding import tensor_fields
 
 FORMATS = ("bf16", "int4", "int4_a8", "fp8", "w4a8", "nvfp4", "nvfp4_w4a4")
 
@@ -89,8 +90,7 @@ def make_weight(fmt: str, n: int, k: int, e: Optional[int] = None, seed: int = 0
     w = _make_weight(fmt, n, k, e, seed)
     if isinstance(w, torch.Tensor):
         return huge_page_copy(w)
-    fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
-    return dataclasses.replace(w, **{k: huge_page_copy(v) for k, v in fields.items() if isinstance(v, torch.Tensor)})
+    return dataclasses.replace(w, **{k: huge_page_copy(v) for k, v in tensor_fields(w).items()})
 
 
 def _make_weight(fmt: str, n: int, k: int, e: Optional[int] = None, seed: int = 0):
