@@ -14,7 +14,9 @@ none, three alternating pairs of processes: 42.4-44.9 -> 34.4-40.4 ms.
 
 from __future__ import annotations
 
+import math
 import mmap
+from typing import Optional
 
 import torch
 
@@ -22,26 +24,37 @@ HUGE_PAGE = 2 * 1024 * 1024
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 
-def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous CPU tensor in memory advised for huge pages, or ``t`` itself where that
-    does not apply (not on the CPU, under 2 MiB, or no ``MADV_HUGEPAGE`` on this system).
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """An uninitialised contiguous CPU tensor in memory advised for huge pages, or None where that
+    does not apply (under 2 MiB, or no ``MADV_HUGEPAGE`` on this system).
 
-    The copy has ``t``'s values, dtype and shape; its memory (an anonymous mapping, freed with the
-    tensor) is faulted in as the values are copied, so it takes huge pages from the start rather
-    than waiting for the kernel's background collapsing.
+    Its memory is an anonymous mapping, freed with the tensor; pages are faulted in when first
+    written, so a tensor filled right away takes huge pages from the start rather than waiting for
+    the kernel's background collapsing.
     """
-    if _ADVICE is None or t.device.type != "cpu" or t.nbytes < HUGE_PAGE or t.is_quantized or t.is_sparse:
-        return t
-    buf = mmap.mmap(-1, t.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # private: shared memory has its own THP switch
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if _ADVICE is None or nbytes < HUGE_PAGE:
+        return None
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # private: shared memory has its own THP switch
     # the mapping's start is page aligned; the tensor starts at its first 2 MiB boundary, and only
     # its whole 2 MiB pages are advised (a huge page for the tail would hold up to 2 MiB unused)
     start = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
     offset = -start % HUGE_PAGE
     try:
-        buf.madvise(_ADVICE, offset, t.nbytes // HUGE_PAGE * HUGE_PAGE)
+        buf.madvise(_ADVICE, offset, nbytes // HUGE_PAGE * HUGE_PAGE)
     except OSError:  # a kernel without transparent huge pages
         buf.close()
+        return None
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
+
+
+def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor in memory advised for huge pages (``huge_page_empty``), or
+    ``t`` itself where that does not apply (not on the CPU, under 2 MiB, or no ``MADV_HUGEPAGE``)."""
+    if t.device.type != "cpu" or t.is_quantized or t.is_sparse:
         return t
-    out = torch.frombuffer(buf, dtype=torch.uint8, count=t.nbytes, offset=offset).view(t.dtype).view(t.shape)
+    out = huge_page_empty(tuple(t.shape), t.dtype)
+    if out is None:
+        return t
     out.copy_(t)
     return out

@@ -11,6 +11,7 @@ the same numbers.
 """
 
 import logging
+import re
 from dataclasses import replace
 from functools import partial
 from typing import Optional
@@ -20,8 +21,8 @@ from torch import nn
 
 import kernels
 from kernels.formats import QuantizedWeight
-from kernels.memory import huge_page_copy
-from llama_lite.checkpoint import RANDOM_ACCESS, Checkpoint, loaded_tensor, set_tensor
+from kernels.memory import huge_page_copy, huge_page_empty
+from llama_lite.checkpoint import Checkpoint, loaded_tensor, set_tensor
 from llama_lite.errors import CheckpointError, ConfigError
 from llama_lite.kv_cache import register_attention
 from llama_lite.model import Attention, ColumnParallelLinear, Experts, FeedForward, MoE, RowParallelLinear, Transformer
@@ -175,9 +176,17 @@ def _weights_of(kind: str) -> list[tuple[str, str, bool]]:
     return [("weight", "K" if kind == "row" else "N", False)]
 
 
+# The core's routed-expert weights ([E, D, F] / [E, F, D]), which _linear_layout copies on the CPU.
+_ROUTED_EXPERT = re.compile(r"\.feed_forward\.experts\.w[123]$")
+
+
 def _linear_layout(w: torch.Tensor) -> torch.Tensor:
-    """Core expert weights [E, D, F] / [E, F, D] as contiguous nn.Linear-oriented [E, N, K], one expert at a time."""
-    t = torch.empty(w.shape[0], w.shape[2], w.shape[1], dtype=w.dtype, device=w.device)
+    """Core expert weights [E, D, F] / [E, F, D] as contiguous nn.Linear-oriented [E, N, K], one expert
+    at a time, in 2 MiB pages (kernels.memory) on a CPU: decode reads them once per token."""
+    shape = (w.shape[0], w.shape[2], w.shape[1])
+    t = huge_page_empty(shape, w.dtype) if w.device.type == "cpu" else None
+    if t is None:
+        t = torch.empty(shape, dtype=w.dtype, device=w.device)
     for e in range(w.shape[0]):
         t[e].copy_(w[e].T)
     return t
@@ -259,8 +268,11 @@ def convert_to_quantized_model(
                        nvfp4_activation_amax=nvfp4_activation_amax)
     world, rank = checkpoint.world_size, checkpoint.rank
     # Weights that will run here on the CPU go into 2 MiB pages (kernels.memory): decode reads them all
-    # once per token, and in 4 KiB pages the TLB misses slowed it by a fifth or more.
+    # once per token, and in 4 KiB pages the TLB misses slowed it by a fifth or more. bf16 weights too,
+    # copied out of the memory-mapped checkpoint (its page cache lies in 4 KiB pages), except routed
+    # experts that _bf16_layers_to_kernels lays out anew anyway.
     placed = huge_page_copy if prepare and device.type == "cpu" else (lambda t: t)
+    relaid = prepare and device.type == "cpu" and dtype == torch.bfloat16
 
     def to_device(w: QuantizedWeight) -> QuantizedWeight:
         if isinstance(w, torch.Tensor):  # a weight a quantized folder keeps in bf16 inside a quantized module
@@ -321,10 +333,12 @@ def convert_to_quantized_model(
                         f"{tuple(param.shape)} (params.json does not match the weights)"
                     )
                 out = t.to(device=device, dtype=dtype).contiguous()
-                if out.data_ptr() != t.data_ptr() or name in RANDOM_ACCESS:  # a copy, made or due: huge pages
+                if not (relaid and _ROUTED_EXPERT.search(name)):
                     out = placed(out)
                 if out.data_ptr() == t.data_ptr():  # still a view of the memory-mapped file
                     out = loaded_tensor(name, t, device, dtype)  # (which copies what must not stay one)
+                elif t.device.type == "cpu":  # a copy: this process no longer needs the file's pages
+                    source.release()
                 set_tensor(model, name, out)
             if prepare and device.type == "cpu" and dtype == torch.bfloat16:
                 _bf16_layers_to_kernels(model, prefix)

@@ -220,14 +220,16 @@ print(json.dumps({{"base": base, "peak": peak[0], "end": anon(), "stored": store
 
 @pytest.mark.slow
 def test_int4_load_never_holds_the_bf16_model(ckpt_root):
-    """Peak anonymous memory while converting the small preset stays far below its bf16 size.
+    """Peak memory while converting the small preset: the loaded model and little more.
 
     The bf16 files are memory-mapped (page cache, not copies); what the process allocates is the
-    int4 experts, the bf16 parts that must be copied (the embedding table, read at random rows:
-    llama_lite.checkpoint.RANDOM_ACCESS), and one layer in flight."""
+    int4 experts, the bf16 parts the mode keeps (copied into huge pages: the embedding table and
+    the output layer), one layer in flight, and freed transients that glibc's heap keeps (~45 MiB
+    on this preset, measured with the bf16 parts copied: before, the output layer stayed a view and
+    its 99 MiB, counted in the model, hid them). A loader that held every layer's bf16 experts
+    would need their 52 MiB more than this bound allows."""
     ckpt = make_checkpoint(ckpt_root, "small", preset="small", mp=1, seed=0)
     state = torch.load(ckpt / "consolidated.00.pth", mmap=True, weights_only=True)
-    bf16_bytes = sum(t.numel() * 2 for t in state.values())
     n_layers = json.loads((ckpt / "params.json").read_text())["n_layers"]
     expert_bytes_per_layer = sum(t.numel() * 2 for k, t in state.items() if "experts" in k or "shared" in k) / n_layers
     table_bytes = state["tok_embeddings.weight"].numel() * 2
@@ -237,40 +239,63 @@ def test_int4_load_never_holds_the_bf16_model(ckpt_root):
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     grown = m["peak"] - m["base"]
-    assert grown < 0.5 * bf16_bytes + table_bytes, (grown, table_bytes, bf16_bytes)
-    # Nothing beyond the loaded model (int4 + its bf16 parts) and a few layers in flight.
-    assert grown <= m["stored"] + 32 * 2**20, (grown, m["stored"])
+    allowance = 64 * 2**20
+    assert expert_bytes_per_layer * n_layers > allowance - 45 * 2**20  # the bound would see the bf16 experts
+    # Nothing beyond the loaded model (int4 + its bf16 parts) and the allowance.
+    assert grown <= m["stored"] + allowance, (grown, m["stored"])
     # All resident pages, the memory-mapped bf16 files' included: the loader drops each layer's
-    # bf16 pages once quantized, so file pages beyond the anonymous peak stay within about one
-    # layer's experts (without the release they grow to every layer's), and the whole peak
-    # within 1.25x of the weights and KV cache. Plus, in both, the embedding table's pages: it is
-    # read once through its mapping to be copied, so for that moment its pages and its copy are
-    # both resident (on this preset the table is 40% of the model; on Scout 2 GB of ~60 in int4).
+    # bf16 pages once quantized, and a tensor's once copied, so file pages beyond the anonymous
+    # peak stay within about one layer's experts (without the release they grow to every layer's)
+    # plus one large bf16 tensor's pages (the embedding table's or the output layer's, each 40% of
+    # this preset): it is read once through its mapping to be copied, so for that moment its pages
+    # and its copy are both resident.
     file_pages = m["rss_grew"] - grown
     assert file_pages <= 2 * expert_bytes_per_layer + table_bytes + 8 * 2**20, (file_pages, expert_bytes_per_layer)
-    assert m["rss_grew"] <= 1.25 * (m["stored"] + m["kv"]) + table_bytes, (m["rss_grew"], m["stored"], m["kv"])
+    assert m["rss_grew"] <= m["stored"] + m["kv"] + table_bytes + allowance, (m["rss_grew"], m["stored"], m["kv"])
     # The embedding table (copied, not mapped) lies in 2 MiB-aligned memory advised for huge pages
     # (kernels.memory), and so do any quantized tensors of 2 MiB or more (none on this preset).
     assert m["aligned"] == m["large"] and m["table_aligned"], m
 
 
-def test_weights_that_run_on_the_cpu_lie_in_huge_pages(tiny_ckpt):
-    """Quantized tensors of 2 MiB or more and bf16 tensors the loader copies go to memory advised
-    for 2 MiB pages; bf16 weights that stay views of the memory-mapped checkpoint stay there; with
-    prepare=False (weights only to be saved) nothing moves."""
+def _advised(t: torch.Tensor) -> bool:
+    """t starts on a 2 MiB boundary of memory advised for huge pages (the smaps flag ``hg``)."""
     from kernels.memory import HUGE_PAGE
 
-    def advised(t):
-        return t.data_ptr() % HUGE_PAGE == 0 and any("hg" in f for _, _, f in mapping_flags(t))
+    return t.data_ptr() % HUGE_PAGE == 0 and any("hg" in f for _, _, f in mapping_flags(t))
 
+
+def test_weights_that_run_on_the_cpu_lie_in_huge_pages(tiny_ckpt):
+    """Tensors of 2 MiB or more that decode reads go to memory advised for 2 MiB pages: quantized
+    ones, and bf16 ones too, copied out of the memory-mapped checkpoint (whose page cache lies in
+    4 KiB pages) with the checkpoint's values; smaller bf16 tensors stay views of it."""
+    from kernels.memory import HUGE_PAGE
+
+    raw = Checkpoint(tiny_ckpt)
     llama = build(tiny_ckpt, "int4_mixed", targets="output", max_seq_len=16, max_batch_size=1)
     out_w = llama.model.output.weight.qweight
-    assert out_w.nbytes >= HUGE_PAGE and advised(out_w)
-    assert advised(llama.model.tok_embeddings.weight)
+    assert out_w.nbytes >= HUGE_PAGE and _advised(out_w)
+    assert _advised(llama.model.tok_embeddings.weight)
     wq = llama.model.layers[0].attention.wq.weight
-    assert not advised(wq)
-    raw = Checkpoint(tiny_ckpt)
+    assert wq.nbytes < HUGE_PAGE and not _advised(wq)
     assert torch.equal(llama.model.tok_embeddings.weight, raw.get("tok_embeddings.weight"))
+    # the output layer left in bf16 (the mode's default targets): copied into huge pages
+    llama = build(tiny_ckpt, "int4_mixed", max_seq_len=16, max_batch_size=1)
+    out_bf16 = llama.model.output.weight
+    assert out_bf16.dtype == torch.bfloat16 and out_bf16.nbytes >= HUGE_PAGE and _advised(out_bf16)
+    assert torch.equal(out_bf16, raw.get("output.weight"))
+
+
+def test_bf16_routed_experts_are_laid_out_in_huge_pages():
+    """Routed experts left in bf16 are copied once, transposed to nn.Linear orientation, straight
+    into memory advised for huge pages (no second copy); small ones into PyTorch's allocator."""
+    from quantization.convert import _linear_layout
+
+    w = torch.randn(4, 1024, 512).to(torch.bfloat16)  # [E, D, F]: 4 MiB
+    t = _linear_layout(w)
+    assert t.shape == (4, 512, 1024) and t.is_contiguous() and _advised(t)
+    assert all(torch.equal(t[e], w[e].T) for e in range(4))
+    small = _linear_layout(w[:, :64, :64])
+    assert torch.equal(small, w[:, :64, :64].transpose(1, 2)) and not _advised(small)
 
 
 def llama_models_layout(src, dst, mp: int):
