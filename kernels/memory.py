@@ -4,7 +4,10 @@ Decode reads every weight once per token, a few GB in 4 KiB pages: a TLB miss ev
 the page walks' loads compete with the weights' own. Linux gives an anonymous mapping huge
 (2 MiB) pages where the mapping asks for them (``madvise(MADV_HUGEPAGE)``; the system default,
 ``/sys/kernel/mm/transparent_hugepage/enabled``, is often ``madvise``), and PyTorch's allocator does
-not ask. ``huge_page_copy`` puts a tensor into such a mapping, 2 MiB aligned.
+not ask. ``huge_page_copy`` puts a tensor into such a mapping, 2 MiB aligned (``huge_page_empty``
+gives one to fill). The quantized loader places there every weight of 2 MiB or more that runs on
+the CPU, bf16 ones copied out of the memory-mapped checkpoint included (its page cache lies in
+4 KiB pages too).
 
 Measured on 2 AMD EPYC Zen 4 cores (README "CPU paths"), with PyTorch's allocator in 4 KiB pages
 against 2 MiB ones: a plain streaming read 29.9 -> 58.8 GB/s, an int4 4096 x 2048 GEMV streaming
