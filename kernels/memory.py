@@ -17,6 +17,7 @@ none, three alternating pairs of processes: 42.4-44.9 -> 34.4-40.4 ms.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from typing import Optional
@@ -27,16 +28,27 @@ HUGE_PAGE = 2 * 1024 * 1024
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 
+@functools.lru_cache(maxsize=None)
+def thp_enabled() -> bool:
+    """Whether this kernel gives advised mappings huge pages (transparent huge pages ``always`` or
+    ``madvise``). Where it does not, a copy would only cost memory: the loader keeps its views."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """An uninitialised contiguous CPU tensor in memory advised for huge pages, or None where that
-    does not apply (under 2 MiB, or no ``MADV_HUGEPAGE`` on this system).
+    does not apply (under 2 MiB, no ``MADV_HUGEPAGE``, or transparent huge pages off: ``thp_enabled``).
 
     Its memory is an anonymous mapping, freed with the tensor; pages are faulted in when first
     written, so a tensor filled right away takes huge pages from the start rather than waiting for
     the kernel's background collapsing.
     """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if _ADVICE is None or nbytes < HUGE_PAGE:
+    if _ADVICE is None or nbytes < HUGE_PAGE or not thp_enabled():
         return None
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # private: shared memory has its own THP switch
     # the mapping's start is page aligned; the tensor starts at its first 2 MiB boundary, and only
@@ -53,7 +65,7 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Optional[torc
 
 def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous CPU tensor in memory advised for huge pages (``huge_page_empty``), or
-    ``t`` itself where that does not apply (not on the CPU, under 2 MiB, or no ``MADV_HUGEPAGE``)."""
+    ``t`` itself where that does not apply (not on the CPU, or as ``huge_page_empty`` says)."""
     if t.device.type != "cpu" or t.is_quantized or t.is_sparse:
         return t
     out = huge_page_empty(tuple(t.shape), t.dtype)

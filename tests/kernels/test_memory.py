@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from helpers import mapping_flags
-from kernels.memory import HUGE_PAGE, huge_page_copy
+import kernels.memory
+from kernels.memory import HUGE_PAGE, huge_page_copy, huge_page_empty, thp_enabled
 
 
-@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not thp_enabled(),
+                    reason="madvise(MADV_HUGEPAGE) is Linux's, with transparent huge pages not 'never'")
 def test_large_tensors_move_to_advised_2mib_aligned_memory():
     t = torch.randn(3 * HUGE_PAGE // 4 + 1000).to(torch.bfloat16).view(-1, 8)  # 3 MiB and a bit
     h = huge_page_copy(t)
@@ -31,3 +33,11 @@ def test_small_or_non_cpu_tensors_are_returned_as_they_are():
     assert huge_page_copy(small) is small
     meta = torch.empty(HUGE_PAGE, device="meta")
     assert huge_page_copy(meta) is meta
+
+
+def test_without_transparent_huge_pages_nothing_is_copied(monkeypatch):
+    """Where the kernel gives no huge pages (THP 'never'), a copy would only cost memory."""
+    monkeypatch.setattr(kernels.memory, "thp_enabled", lambda: False)
+    t = torch.randn(HUGE_PAGE)  # 8 MiB
+    assert huge_page_copy(t) is t
+    assert huge_page_empty((HUGE_PAGE,), torch.float32) is None

@@ -12,6 +12,7 @@ import torch
 from helpers import ROOT, make_checkpoint, mapping_flags, same_routing, worker_results
 from kernels import cpu
 from kernels.formats import dequantize_weight
+from kernels.memory import thp_enabled
 from llama_lite.checkpoint import Checkpoint, write_meta_checkpoint
 from llama_lite.errors import CheckpointError, ConfigError
 from llama_lite.generation import Llama4
@@ -254,7 +255,12 @@ def test_int4_load_never_holds_the_bf16_model(ckpt_root):
     assert m["rss_grew"] <= m["stored"] + m["kv"] + table_bytes + allowance, (m["rss_grew"], m["stored"], m["kv"])
     # The embedding table (copied, not mapped) lies in 2 MiB-aligned memory advised for huge pages
     # (kernels.memory), and so do any quantized tensors of 2 MiB or more (none on this preset).
-    assert m["aligned"] == m["large"] and m["table_aligned"], m
+    # (where transparent huge pages are off, nothing is copied for them: kernels.memory.thp_enabled)
+    assert m["aligned"] == m["large"] and m["table_aligned"] == HUGE, m
+
+
+# Whether this machine gives advised memory huge pages; where not, the loader copies nothing for them.
+HUGE = thp_enabled()
 
 
 def _advised(t: torch.Tensor) -> bool:
@@ -273,15 +279,15 @@ def test_weights_that_run_on_the_cpu_lie_in_huge_pages(tiny_ckpt):
     raw = Checkpoint(tiny_ckpt)
     llama = build(tiny_ckpt, "int4_mixed", targets="output", max_seq_len=16, max_batch_size=1)
     out_w = llama.model.output.weight.qweight
-    assert out_w.nbytes >= HUGE_PAGE and _advised(out_w)
-    assert _advised(llama.model.tok_embeddings.weight)
+    assert out_w.nbytes >= HUGE_PAGE and _advised(out_w) == HUGE
+    assert _advised(llama.model.tok_embeddings.weight) == HUGE
     wq = llama.model.layers[0].attention.wq.weight
     assert wq.nbytes < HUGE_PAGE and not _advised(wq)
     assert torch.equal(llama.model.tok_embeddings.weight, raw.get("tok_embeddings.weight"))
     # the output layer left in bf16 (the mode's default targets): copied into huge pages
     llama = build(tiny_ckpt, "int4_mixed", max_seq_len=16, max_batch_size=1)
     out_bf16 = llama.model.output.weight
-    assert out_bf16.dtype == torch.bfloat16 and out_bf16.nbytes >= HUGE_PAGE and _advised(out_bf16)
+    assert out_bf16.dtype == torch.bfloat16 and out_bf16.nbytes >= HUGE_PAGE and _advised(out_bf16) == HUGE
     assert torch.equal(out_bf16, raw.get("output.weight"))
 
 
@@ -292,7 +298,7 @@ def test_bf16_routed_experts_are_laid_out_in_huge_pages():
 
     w = torch.randn(4, 1024, 512).to(torch.bfloat16)  # [E, D, F]: 4 MiB
     t = _linear_layout(w)
-    assert t.shape == (4, 512, 1024) and t.is_contiguous() and _advised(t)
+    assert t.shape == (4, 512, 1024) and t.is_contiguous() and _advised(t) == HUGE
     assert all(torch.equal(t[e], w[e].T) for e in range(4))
     small = _linear_layout(w[:, :64, :64])
     assert torch.equal(small, w[:, :64, :64].transpose(1, 2)) and not _advised(small)
