@@ -47,7 +47,7 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Optional[torc
     written, so a tensor filled right away takes huge pages from the start rather than waiting for
     the kernel's background collapsing.
     """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if _ADVICE is None or nbytes < HUGE_PAGE or not thp_enabled():
         return None
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # private: shared memory has its own THP switch

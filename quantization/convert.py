@@ -11,7 +11,6 @@ the same numbers.
 """
 
 import logging
-import re
 from dataclasses import replace
 from functools import partial
 from typing import Optional
@@ -176,10 +175,6 @@ def _weights_of(kind: str) -> list[tuple[str, str, bool]]:
     return [("weight", "K" if kind == "row" else "N", False)]
 
 
-# The core's routed-expert weights ([E, D, F] / [E, F, D]), which _linear_layout copies on the CPU.
-_ROUTED_EXPERT = re.compile(r"\.feed_forward\.experts\.w[123]$")
-
-
 def _linear_layout(w: torch.Tensor) -> torch.Tensor:
     """Core expert weights [E, D, F] / [E, F, D] as contiguous nn.Linear-oriented [E, N, K], one expert
     at a time, in 2 MiB pages (kernels.memory) on a CPU: decode reads them once per token."""
@@ -272,7 +267,7 @@ def convert_to_quantized_model(
     # copied out of the memory-mapped checkpoint (its page cache lies in 4 KiB pages), except routed
     # experts that _bf16_layers_to_kernels lays out anew anyway.
     placed = huge_page_copy if prepare and device.type == "cpu" else (lambda t: t)
-    relaid = prepare and device.type == "cpu" and dtype == torch.bfloat16
+    bf16_kernels = prepare and device.type == "cpu" and dtype == torch.bfloat16  # _bf16_layers_to_kernels runs
 
     def to_device(w: QuantizedWeight) -> QuantizedWeight:
         if isinstance(w, torch.Tensor):  # a weight a quantized folder keeps in bf16 inside a quantized module
@@ -333,14 +328,14 @@ def convert_to_quantized_model(
                         f"{tuple(param.shape)} (params.json does not match the weights)"
                     )
                 out = t.to(device=device, dtype=dtype).contiguous()
-                if not (relaid and _ROUTED_EXPERT.search(name)):
+                if not (bf16_kernels and isinstance(model.get_submodule(name.rpartition(".")[0]), Experts)):
                     out = placed(out)
                 if out.data_ptr() == t.data_ptr():  # still a view of the memory-mapped file
                     out = loaded_tensor(name, t, device, dtype)  # (which copies what must not stay one)
                 elif t.device.type == "cpu":  # a copy: this process no longer needs the file's pages
                     source.release()
                 set_tensor(model, name, out)
-            if prepare and device.type == "cpu" and dtype == torch.bfloat16:
+            if bf16_kernels:
                 _bf16_layers_to_kernels(model, prefix)
             # The bf16 pages this layer was quantized from are not needed again: drop them from this
             # process, so loading holds about one layer of the bf16 checkpoint at a time.
