@@ -10,6 +10,7 @@ swap. Each weight is quantized whole and then sliced for this rank, so every wor
 the same numbers.
 """
 
+import ctypes
 import logging
 from dataclasses import replace
 from functools import partial
@@ -173,6 +174,23 @@ def _weights_of(kind: str) -> list[tuple[str, str, bool]]:
     if kind == "ffn":
         return [("w1.weight", "N", False), ("w3.weight", "N", False), ("w2.weight", "K", False)]
     return [("weight", "K" if kind == "row" else "N", False)]
+
+
+def _return_freed_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    Quantizing a layer allocates and frees large transients; glibc keeps much of that memory, which
+    then counts as the process's own: ~45 MiB on the small preset, varying from run to run."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = lambda pad: 0  # noqa: E731 -- not glibc
+    _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def _linear_layout(w: torch.Tensor) -> torch.Tensor:
@@ -340,6 +358,7 @@ def convert_to_quantized_model(
             # The bf16 pages this layer was quantized from are not needed again: drop them from this
             # process, so loading holds about one layer of the bf16 checkpoint at a time.
             source.release()
+            _return_freed_heap()
             if bar:
                 bar.advance(bar.task_ids[0])
     finally:
