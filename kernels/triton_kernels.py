@@ -5,6 +5,7 @@ Public functions (CUDA tensors in production; CPU tensors under ``TRITON_INTERPR
     linear(x [..., K], w) -> [..., N]
     grouped_linear(x [T, K], offsets [E + 1], w [E, N, ...]) -> [T, N]
     grouped_swiglu(x [T, K], offsets [E + 1], w1, w3, w2) -> [T, D]
+    swiglu(x [..., K], w1, w3, w2) -> [..., D]  (dense: the shared expert)
 
 ``w`` is an ``Int4Weight``, ``Fp8Weight``, ``W4A8Weight`` or ``NVFP4Weight`` (``kernels.formats``);
 ``dequantize_weight`` there is the numerical definition every kernel here reproduces, with the
@@ -648,27 +649,45 @@ def _same_activation_quant(w1, w3) -> bool:
     return True
 
 
-def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1, w3, w2) -> torch.Tensor:
-    """Per expert: (silu(x W1.T) * (x W3.T)) W2.T. W1 and W3 run fused in one kernel (shared
-    activation tile, two accumulators, SwiGLU in the epilogue); W2 is a second grouped GEMM."""
-    for w in (w1, w3, w2):
-        _check_supported(w, x.device)
+def _swiglu_hidden(a: torch.Tensor, offsets: Optional[torch.Tensor], w1, w3) -> torch.Tensor:
+    """silu(a W1.T) * (a W3.T) from fp32 products, rounded once to a's dtype (as the reference).
+
+    W1 and W3 run fused in one kernel (shared activation tile, two accumulators, SwiGLU in the
+    epilogue) when they quantize the activations alike; otherwise two GEMMs write fp32 products."""
+    for w in (w1, w3):
+        _check_supported(w, a.device)
+    grouped = offsets is not None
     op1 = _operands(w1)
     op3 = _operands(w3)
     if (op1.n, op1.k, op1.e, op1.fmt, op1.group_size) != (op3.n, op3.k, op3.e, op3.fmt, op3.group_size):
         raise ValueError("w1 and w3 must have the same format and shape")
-    if offsets.numel() != op1.e + 1:
+    if grouped and offsets.numel() != op1.e + 1:
         raise ValueError(f"offsets has {offsets.numel()} entries; the weights have {op1.e} experts")
-    offsets = _as_offsets(offsets, x.device)
-    a = _as_rows(x, op1.k)
+    _check_grouped(op1, grouped, "swiglu")
     if _same_activation_quant(w1, w3):
-        h = torch.empty((a.shape[0], op1.n), dtype=x.dtype, device=x.device)
+        h = torch.empty((a.shape[0], op1.n), dtype=a.dtype, device=a.device)
         aq, a_scale = _quantize_activations(a, w1, offsets)
-        _launch_gemm(aq, a_scale, op1, op3, h, offsets, grouped=True)
-    else:  # W1 and W3 quantize x differently: no shared tile to fuse over
-        h1 = grouped_linear(a, offsets, w1)
-        h = torch.nn.functional.silu(h1) * grouped_linear(a, offsets, w3)
+        return _launch_gemm(aq, a_scale, op1, op3, h, offsets, grouped=grouped)
+    h1, h3 = (torch.empty((a.shape[0], op1.n), dtype=torch.float32, device=a.device) for _ in range(2))
+    for w, op, h in ((w1, op1, h1), (w3, op3, h3)):
+        aq, a_scale = _quantize_activations(a, w, offsets)
+        _launch_gemm(aq, a_scale, op, None, h, offsets, grouped=grouped)
+    return (torch.nn.functional.silu(h1) * h3).to(a.dtype)
+
+
+def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1, w3, w2) -> torch.Tensor:
+    """Per expert: (silu(x W1.T) * (x W3.T)) W2.T; W2 is a second grouped GEMM."""
+    offsets = _as_offsets(offsets, x.device)
+    h = _swiglu_hidden(_as_rows(x, _operands(w1).k), offsets, w1, w3)
     return grouped_linear(h, offsets, w2)
 
 
-__all__ = ["linear", "grouped_linear", "grouped_swiglu", "supports", "block_config", "BlockConfig"]
+def swiglu(x: torch.Tensor, w1, w3, w2) -> torch.Tensor:
+    """Dense SwiGLU FFN (the shared expert): (silu(x W1.T) * (x W3.T)) W2.T -> [..., D], with the
+    fused W1 / W3 kernel of ``grouped_swiglu`` (the hidden activations never round before SwiGLU)."""
+    h = _swiglu_hidden(_as_rows(x, _operands(w1).k), None, w1, w3)
+    out = linear(h, w2)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+__all__ = ["linear", "grouped_linear", "grouped_swiglu", "swiglu", "supports", "block_config", "BlockConfig"]

@@ -33,7 +33,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (it is in the test extra)")
 
 from kernels import formats as F  # noqa: E402
-from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, W4A8Weight  # noqa: E402
+from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, W4A8Weight, select_expert  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("these tests run the Triton kernels through the interpreter on CPU tensors", allow_module_level=True)
@@ -299,8 +299,12 @@ def test_swiglu_falls_back_when_w1_w3_quantize_x_differently():
     offsets, expert = split(5)
     with small_blocks("nvfp4"):
         out = TK.grouped_swiglu(x, offsets, w1, w3, w2)
-    h = torch.nn.functional.silu(oracle_linear(x, w1, expert).bfloat16().float()) * oracle_linear(x, w3, expert)
+    # the two products stay fp32 up to SwiGLU, as in kernels.reference (no bf16 rounding of h1 / h3)
+    h = torch.nn.functional.silu(oracle_linear(x, w1, expert)) * oracle_linear(x, w3, expert)
     check(out, oracle_linear(h.bfloat16(), w2, expert), atol_frac=2**-7, rtol=2**-6)
+    with small_blocks("nvfp4"):  # the dense (shared-expert) SwiGLU takes the same path
+        dense = TK.swiglu(x[:3], select_expert(w1, 0), select_expert(w3, 0), select_expert(w2, 0))
+    check(dense, out[:3].float(), atol_frac=2**-12, rtol=2**-7)
 
 
 def test_dtypes_and_errors():
@@ -366,7 +370,11 @@ def test_matches_reference_module(fmt):
     with small_blocks(fmt):
         got = TK.grouped_linear(x, offsets, w1)
         got_ffn = TK.grouped_swiglu(x, offsets, w1, w3, w2)
+        dense = [select_expert(w, 1) for w in (w1, w3, w2)]
+        got_dense = TK.swiglu(x, *dense)  # the shared expert's dense SwiGLU
     want = ref.grouped_linear(x, offsets, w1).float()
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-12 * want.abs().max().item())
     want = ref.grouped_swiglu(x, offsets, w1, w3, w2).float()
     torch.testing.assert_close(got_ffn.float(), want, rtol=2**-6, atol=2**-7 * want.abs().max().item())
+    want = ref.swiglu(x, *dense).float()
+    torch.testing.assert_close(got_dense.float(), want, rtol=2**-6, atol=2**-7 * want.abs().max().item())
