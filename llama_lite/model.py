@@ -432,8 +432,11 @@ class Transformer(nn.Module):
         dimension turns dynamic on the first change); positions are tensors, so never recompile."""
         # emulate_precision_casts: fused code rounds to bf16 wherever eager code does, so compiled
         # and eager decode give the same numbers (inductor otherwise keeps fused bf16 math in fp32)
-        self._decode_compiled = torch.compile(self._decode, fullgraph=True, mode=mode,
-                                              options={"emulate_precision_casts": True})
+        # torch.compile takes a mode or options, not both: the mode's options join ours
+        options = {"emulate_precision_casts": True}
+        if mode is not None:
+            options.update(torch._inductor.list_mode_options(mode))
+        self._decode_compiled = torch.compile(self._decode, fullgraph=True, options=options)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if fs_init.get_model_parallel_world_size() == 1:  # fairscale's layer adds two no-op autograd functions
