@@ -41,6 +41,14 @@ NVFP4_BLOCK = 16
 # ---- activation quantization
 
 
+def _div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """``a / b`` correctly rounded on every device. On CUDA, a tensor divided by a Python number is
+    computed as ``a * (1 / b)``, which is an ulp off for some ``a``: a scale an ulp off moves the
+    code of every value that lands on a rounding tie (x / s = 84 against 83.99999), so the fast
+    paths (which divide) and this reference would disagree on the GPU alone."""
+    return a / torch.full_like(a, b)
+
+
 def quantize_fp8_per_token(x: torch.Tensor, scale_ub: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (xq float8_e4m3fn [..., K], s fp32 [..., 1]) with x ~ xq * s.
 
@@ -49,7 +57,7 @@ def quantize_fp8_per_token(x: torch.Tensor, scale_ub: float | None) -> tuple[tor
     amax = x.float().abs().amax(dim=-1, keepdim=True)
     if scale_ub is not None:
         amax = amax.clamp(max=scale_ub)
-    s = amax.clamp(min=1e-12) / FP8_MAX
+    s = _div(amax.clamp(min=1e-12), FP8_MAX)
     xq = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return xq, s
 
@@ -61,7 +69,7 @@ def quantize_int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (K % 32 == 0) -> (a int8 [..., K], s fp32 [..., K // 32]) with x ~ a * s per block
     of 32 values: ``s = amax / 127``, ``a = round_half_even(x / s)`` (0 where s is 0), in fp32."""
     xb = x.float().reshape(*x.shape[:-1], -1, INT8_BLOCK)
-    s = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    s = _div(xb.abs().amax(dim=-1, keepdim=True), 127.0)
     a = torch.where(s > 0, torch.round(xb / s), 0.0).clamp(-127, 127)
     return a.to(torch.int8).reshape(x.shape), s.squeeze(-1)
 
@@ -98,7 +106,7 @@ def quantize_nvfp4_activations(x: torch.Tensor, global_scale: torch.Tensor) -> t
     g = global_scale.float()
     xb = x.float().unflatten(-1, (k // NVFP4_BLOCK, NVFP4_BLOCK))
     amax = xb.abs().amax(dim=-1, keepdim=True)
-    local = (amax / FP4_MAX * g).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    local = (_div(amax, FP4_MAX) * g).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
     scale = local.float() / g
     values = round_to_e2m1(torch.where(scale > 0, xb / scale, 0.0))
     return values.flatten(-2), local.squeeze(-1)
