@@ -81,3 +81,13 @@ def test_eager_decode_runs_no_compiled_graph(tiny_ckpt, dist1):
     assert llama.model._decode_compiled is None
     llama.generate_tokens([[1, 2, 3]], temperature=0, max_gen_len=4)
     assert graphs_compiled() == 0
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_compile_decode_takes_torch_compile_modes(tiny_ckpt, dist1, mode):
+    """CUDA builds ask for mode "reduce-overhead" (CUDA graphs); torch.compile refuses a mode beside
+    options, so the mode's options must join compile_decode's own (torch.compile is lazy: nothing
+    compiles here)."""
+    llama = build(tiny_ckpt, "none", torch.bfloat16, False)
+    llama.model.compile_decode(mode)
+    assert callable(llama.model._decode_compiled)
