@@ -1019,7 +1019,8 @@ def parse_demo(output: str) -> dict:
 
 def section_demo(ck: Check, max_gen_len: int = 64) -> None:
     def demo():
-        # the demo's default path (eager): a LLAMA_LITE_COMPILE=1 of the caller's would add minutes of compiling
+        # the demo's default path (on a GPU: its decode step compiled, CUDA graphs), whatever the caller's
+        # LLAMA_LITE_COMPILE says
         env = {k: v for k, v in os.environ.items() if k != "LLAMA_LITE_COMPILE"}
         env.update(LLAMA_LITE_CACHE=str(demo_cache(ck.ctx)), PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "scripts.int4_demo", "--device", ck.device.type, "--max_gen_len", str(max_gen_len)]
