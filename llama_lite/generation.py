@@ -51,6 +51,15 @@ def find_tokenizer(ckpt_dir: Path, tokenizer_path=None) -> Tokenizer:
     return Tokenizer(local if local.is_file() else default_tokenizer_path())
 
 
+def compile_by_default(device, world_size: int) -> bool:
+    """Whether ``Llama4.build(compile=None)`` compiles the decode step: as LLAMA_LITE_COMPILE says
+    (1 / true / yes / on, anything else set: off), else on for one CUDA device (CUDA graphs) and off
+    on a CPU (see ``build``); never with a world size above 1."""
+    said = os.environ.get("LLAMA_LITE_COMPILE", "").strip().lower()
+    wanted = said in ("1", "true", "yes", "on") if said else torch.device(device).type == "cuda"
+    return wanted and world_size == 1
+
+
 class Llama4:
     @staticmethod
     def build(
@@ -135,9 +144,7 @@ class Llama4:
         llama = Llama4(model, tokenizer, args)
         auto = compile is None
         if auto:
-            said = os.environ.get("LLAMA_LITE_COMPILE", "").strip().lower()
-            compile = said in ("1", "true", "yes", "on") if said else device.type == "cuda"
-            compile = compile and world_size == 1
+            compile = compile_by_default(device, world_size)
         elif compile and world_size > 1:
             raise ConfigError("compiled decode runs on one rank; with a world size above 1 build with compile=False")
         if compile:
