@@ -5,11 +5,13 @@
 Weights are ``kernels.formats`` containers (``Int4Weight``, ``Fp8Weight``, ``W4A8Weight``,
 ``NVFP4Weight``) or plain tensors. ``kernels.reference`` defines the numerics; ``kernels.cpu`` and
 ``kernels.triton_kernels`` are the fast paths, chosen by ``kernels.dispatch``. ``decode_attention``
-(``kernels.attention``) is a decode step's attention over a KV cache.
+(``kernels.attention``) is a decode step's attention over a KV cache; ``rmsnorm`` (``kernels.norm``)
+an RMSNorm of bf16 rows in one call.
 """
 
 from .attention import decode_attention, decode_step
 from .dispatch import BACKENDS, get_backend, grouped_linear, grouped_swiglu, linear, prepare, set_backend, swiglu
+from .norm import rmsnorm
 from .formats import (
     Fp8Weight,
     Int4Weight,
@@ -28,7 +30,7 @@ from .formats import (
 
 __all__ = [
     "BACKENDS", "get_backend", "set_backend", "prepare",
-    "linear", "grouped_linear", "grouped_swiglu", "swiglu", "decode_attention", "decode_step",
+    "linear", "grouped_linear", "grouped_swiglu", "swiglu", "decode_attention", "decode_step", "rmsnorm",
     "Int4Weight", "Fp8Weight", "W4A8Weight", "NVFP4Weight", "QuantizedWeight",
     "dequantize_weight", "format_name", "weight_shape", "select_expert",
     "pack_int4", "unpack_int4", "pack_fp4", "unpack_fp4",

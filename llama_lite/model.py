@@ -74,8 +74,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # impl(x, weight, eps) -> the same values in one call, or None where it does not apply;
+        # a loader may install one (eager code only: compiled code fuses these operators itself)
+        self.impl: Optional[Callable] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl is not None and not torch.compiler.is_compiling():
+            out = self.impl(x, self.weight, self.eps)
+            if out is not None:
+                return out
         return rmsnorm(x, self.eps) * self.weight
 
 
@@ -153,6 +160,7 @@ class Attention(nn.Module):
         self.chunk = args.attention_chunk_size if use_rope else None
         self.cache = None  # a kv_cache.RingCache (chunked layers) or PrefixCache
         self.attend_impl = 0  # the decode step's attention over the cache (kv_cache.register_attention); 0: SDPA
+        self.norm_impl: Optional[Callable] = None  # the heads' RMSNorm in one call, as RMSNorm.impl (weight None)
 
     @property
     def cache_k(self) -> Optional[torch.Tensor]:
@@ -178,7 +186,10 @@ class Attention(nn.Module):
             if self.use_rope:
                 qk = apply_rope(qk, rope)
             if self.use_qk_norm:
-                qk = rmsnorm(qk, self.norm_eps)
+                normed = None
+                if self.norm_impl is not None and not torch.compiler.is_compiling():
+                    normed = self.norm_impl(qk, None, self.norm_eps)
+                qk = rmsnorm(qk, self.norm_eps) if normed is None else normed
             q, k = qk.split((self.n_local_heads, self.n_local_kv_heads), dim=2)
         if self.temperature_tuning:
             # Sharpen attention at long range on the global (NoPE) layers; no-op below floor_scale.

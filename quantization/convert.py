@@ -25,7 +25,9 @@ from kernels.memory import huge_page_copy, huge_page_empty
 from llama_lite.checkpoint import Checkpoint, loaded_tensor, set_tensor
 from llama_lite.errors import CheckpointError, ConfigError
 from llama_lite.kv_cache import register_attention
-from llama_lite.model import Attention, ColumnParallelLinear, Experts, FeedForward, MoE, RowParallelLinear, Transformer
+from llama_lite.model import (
+    Attention, ColumnParallelLinear, Experts, FeedForward, MoE, RMSNorm, RowParallelLinear, Transformer,
+)
 
 from .checkpoint_io import (
     QuantizedCheckpoint,
@@ -232,11 +234,15 @@ def _bf16_layers_to_kernels(model: Transformer, prefix: str) -> None:
 def _attention_to_kernels(model: Transformer) -> None:
     """Let decode steps attend over the KV cache with ``kernels.decode_attention``: on a CPU PyTorch's
     SDPA takes 10-25x as long as reading the cache (an AMD EPYC without AVX-512 BF16). Where it
-    applies, ``kernels.decode_step`` also writes the cache in the same call."""
+    applies, ``kernels.decode_step`` also writes the cache in the same call. Every RMSNorm (the
+    layers' and the query/key heads') runs as one ``kernels.rmsnorm`` call where it applies."""
     impl = register_attention(kernels.decode_attention, kernels.decode_step)
     for module in model.modules():
         if isinstance(module, Attention):
             module.attend_impl = impl
+            module.norm_impl = kernels.rmsnorm
+        elif isinstance(module, RMSNorm):
+            module.impl = kernels.rmsnorm
 
 
 def convert_to_quantized_model(

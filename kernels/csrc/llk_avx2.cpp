@@ -1006,4 +1006,42 @@ int llk_decode_step(const uint16_t* q, const uint16_t* k_new, const uint16_t* v_
     return 0;
 }
 
+// RMSNorm of bf16 rows, as the core's ``rmsnorm(x) * weight``: per row r = 1 / sqrt(sum(x^2) / dim
+// + eps) in fp32 (each x^2 is exact: x has 8 significant bits), y = bf16(x * r), and with a weight
+// (w non-null) bf16(y * w). Only the sum's order is this kernel's (8 lanes, 4 accumulators).
+int llk_rmsnorm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* out, int64_t ldo, int64_t rows,
+                     int64_t dim, float eps, int nthreads) {
+    if (rows < 0 || dim <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t* xr = x + r * ldx;
+        uint16_t* o = out + r * ldo;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        int64_t k = 0;
+        for (; k + 32 <= dim; k += 32) {
+            for (int j = 0; j < 4; j++) {
+                const __m256 v = bf16x8(xr + k + 8 * j);
+                acc[j] = _mm256_fmadd_ps(v, v, acc[j]);
+            }
+        }
+        for (; k + 8 <= dim; k += 8) {
+            const __m256 v = bf16x8(xr + k);
+            acc[0] = _mm256_fmadd_ps(v, v, acc[0]);
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        for (; k < dim; k++) {
+            const float v = bf16_value(xr[k]);
+            sum += v * v;
+        }
+        const float scale = 1.0f / std::sqrt(sum / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) {
+            const uint16_t y = round_bf16(bf16_value(xr[i]) * scale);
+            o[i] = w ? round_bf16(bf16_value(y) * bf16_value(w[i])) : y;
+        }
+    }
+    return 0;
+}
+
 }  // extern "C"
