@@ -688,6 +688,20 @@ static inline __m256 bf16x8(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
+static inline __m256 widen_bf16x8(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 fp32 lanes to bf16, as round_bf16: nearest even, NaN kept quiet.
+static inline __m128i round_bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
 // e^x for fp32 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so that n ln2 is exact
 // enough), e^r by the usual degree-6 minimax polynomial, times 2^n put in the exponent bits. A few
 // ulp from expf on [-87, 88] (the test measures it); 0 below -87, where e^x leaves fp32's normals.
@@ -1036,7 +1050,14 @@ int llk_rmsnorm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t
             sum += v * v;
         }
         const float scale = 1.0f / std::sqrt(sum / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) {
+        const __m256 vscale = _mm256_set1_ps(scale);
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            __m128i y = round_bf16x8(_mm256_mul_ps(bf16x8(xr + i), vscale));
+            if (w) y = round_bf16x8(_mm256_mul_ps(widen_bf16x8(y), bf16x8(w + i)));
+            _mm_storeu_si128((__m128i*)(o + i), y);
+        }
+        for (; i < dim; i++) {
             const uint16_t y = round_bf16(bf16_value(xr[i]) * scale);
             o[i] = w ? round_bf16(bf16_value(y) * bf16_value(w[i])) : y;
         }
