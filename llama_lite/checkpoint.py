@@ -8,6 +8,7 @@ files were written with. All renaming of Meta's fused keys and Hugging Face's na
 
 import ctypes
 import json
+import mmap
 import os
 import pickle
 import re
@@ -75,8 +76,9 @@ def load_pth(path: Path, mmap: bool = True) -> dict:
 _MADV_DONTNEED = 4
 
 
-def release_file_pages(paths) -> int:
+def release_file_pages(paths, within: Optional[tuple[int, int]] = None) -> int:
     """Drop this process's resident pages of the memory-mapped ``paths``; returns the bytes advised.
+    ``within`` (start, end) addresses: only the whole pages of the mappings inside that range.
 
     Weights are mapped read-only in effect (never written), so the pages stay in the page cache
     and a later access simply maps them again: this only lowers the resident set while a loader
@@ -97,6 +99,12 @@ def release_file_pages(paths) -> int:
         if len(fields) < 6 or fields[5].strip() not in names:
             continue
         start, end = (int(v, 16) for v in fields[0].split("-"))
+        if within is not None:  # mappings start on a page; keep to the whole pages inside the range
+            page = mmap.PAGESIZE
+            start = max(start, -(-within[0] // page) * page)
+            end = min(end, within[1] // page * page)
+            if end <= start:
+                continue
         if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0:
             done += end - start
     return done
@@ -319,10 +327,10 @@ class Checkpoint:
             return self.meta_shards()
         return sorted(self.dir.glob("*.safetensors")) if self.format == "hf" else []
 
-    def release(self) -> None:
+    def release(self, within: Optional[tuple[int, int]] = None) -> None:
         """Drop the resident pages of the files read so far (see ``release_file_pages``)."""
         if self._index is not None:
-            release_file_pages(self.files())
+            release_file_pages(self.files(), within)
 
     # --- access -------------------------------------------------------------------------
     def keys(self) -> list[str]:

@@ -89,8 +89,8 @@ class QuantizedCheckpoint:
                 raise CheckpointError(f"cannot read {p}: corrupted safetensors file ({e})") from None
         self.names = set(self.handles[0].keys())
 
-    def release(self) -> None:
-        release_file_pages(self.files)
+    def release(self, within: Optional[tuple[int, int]] = None) -> None:
+        release_file_pages(self.files, within)
 
     def _parts(self, name: str) -> list[torch.Tensor]:
         if name not in self.names:

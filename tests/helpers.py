@@ -114,3 +114,17 @@ def mapping_flags(t: torch.Tensor) -> list[tuple[int, int, set]]:
             elif head[0] == "VmFlags:" and cur:
                 found.append((*cur, set(head[1:])))
     return found
+
+
+def resident_bytes(lo: int, hi: int) -> int:
+    """Resident bytes (smaps Rss) of this process's mappings that overlap [lo, hi)."""
+    total, cur = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if not head[0].endswith(":"):
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                cur = a < hi and b > lo
+            elif head[0] == "Rss:" and cur:
+                total += int(head[1]) * 1024
+    return total

@@ -273,3 +273,31 @@ def test_the_embedding_table_is_not_a_view_of_the_checkpoint_file(tiny_llama, ti
     assert not _in_file(model.tok_embeddings.weight, ranges)
     q = quantization.build(tiny_ckpt, "int4_mixed", max_seq_len=64, max_batch_size=1, progress=False)
     assert not _in_file(q.model.tok_embeddings.weight, _file_mappings(tiny_ckpt))
+
+
+def test_releasing_file_pages_within_a_range_keeps_the_rest(tmp_path):
+    """The loader drops the pages of each chunk it has copied; pages outside the range, and memory that
+    is not a mapping of the named files (madvise(DONTNEED) would zero anonymous memory), stay."""
+    import mmap
+
+    from helpers import resident_bytes
+    from llama_lite.checkpoint import release_file_pages
+
+    mib = 1 << 20
+    path = tmp_path / "weights.bin"
+    path.write_bytes(torch.arange(16 * mib // 4, dtype=torch.int32).numpy().tobytes())
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    t = torch.frombuffer(mapped, dtype=torch.int32)
+    lo = t.data_ptr()
+    want = int(t.sum())  # faults every page in
+    assert resident_bytes(lo, lo + 16 * mib) >= 15 * mib
+    released = release_file_pages([path], within=(lo + 4 * mib + 100, lo + 12 * mib))
+    assert 8 * mib - 2 * mmap.PAGESIZE <= released <= 8 * mib  # whole pages inside the range only
+    assert 7 * mib <= resident_bytes(lo, lo + 16 * mib) <= 9 * mib
+    assert int(t.sum()) == want  # file pages map again on access
+    anon = torch.arange(4 * mib // 4, dtype=torch.int32)
+    assert release_file_pages([path], within=(anon.data_ptr(), anon.data_ptr() + anon.nbytes)) == 0
+    assert torch.equal(anon, torch.arange(4 * mib // 4, dtype=torch.int32))
+    del t
+    mapped.close()
