@@ -268,6 +268,6 @@ class HFQuantizedSource:
         module = f"model.layers.{layer}.feed_forward.router"
         return module if module in self.modules else None
 
-    def release(self) -> None:
-        release_file_pages(self.files)
-        self.bf16_view.release()
+    def release(self, within: Optional[tuple[int, int]] = None) -> None:
+        release_file_pages(self.files, within)
+        self.bf16_view.release(within)
