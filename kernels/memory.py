@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import mmap
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -63,13 +63,28 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Optional[torc
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
 
 
-def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
+COPY_CHUNK = 64 << 20  # bytes huge_page_copy copies between two calls of its ``copied``
+
+
+def huge_page_copy(t: torch.Tensor, copied: Optional[Callable[[int, int], None]] = None) -> torch.Tensor:
     """``t`` as a contiguous CPU tensor in memory advised for huge pages (``huge_page_empty``), or
-    ``t`` itself where that does not apply (not on the CPU, or as ``huge_page_empty`` says)."""
+    ``t`` itself where that does not apply (not on the CPU, or as ``huge_page_empty`` says).
+
+    ``copied(start, end)``: called with the source addresses of each ``COPY_CHUNK`` of a contiguous
+    ``t`` once that chunk is copied (the loader drops those pages of the memory-mapped checkpoint,
+    so a large tensor's file pages and its copy are never both held whole)."""
     if t.device.type != "cpu" or t.is_quantized or t.is_sparse:
         return t
     out = huge_page_empty(tuple(t.shape), t.dtype)
     if out is None:
         return t
-    out.copy_(t)
+    if copied is None or not t.is_contiguous():
+        out.copy_(t)
+        return out
+    src, dst = t.reshape(-1), out.view(-1)
+    step = max(1, COPY_CHUNK // t.element_size())
+    for i in range(0, src.numel(), step):
+        part = src[i : i + step]
+        dst[i : i + step].copy_(part)
+        copied(part.data_ptr(), part.data_ptr() + part.nbytes)
     return out

@@ -649,16 +649,17 @@ def _same_activation_quant(w1, w3) -> bool:
     return True
 
 
-def _swiglu_hidden(a: torch.Tensor, offsets: Optional[torch.Tensor], w1, w3) -> torch.Tensor:
-    """silu(a W1.T) * (a W3.T) from fp32 products, rounded once to a's dtype (as the reference).
+def _swiglu_hidden(x: torch.Tensor, offsets: Optional[torch.Tensor], w1, w3) -> torch.Tensor:
+    """silu(x W1.T) * (x W3.T) [T, N] from fp32 products, rounded once to x's dtype (as the reference).
 
     W1 and W3 run fused in one kernel (shared activation tile, two accumulators, SwiGLU in the
     epilogue) when they quantize the activations alike; otherwise two GEMMs write fp32 products."""
     for w in (w1, w3):
-        _check_supported(w, a.device)
+        _check_supported(w, x.device)
     grouped = offsets is not None
     op1 = _operands(w1)
     op3 = _operands(w3)
+    a = _as_rows(x, op1.k)
     if (op1.n, op1.k, op1.e, op1.fmt, op1.group_size) != (op3.n, op3.k, op3.e, op3.fmt, op3.group_size):
         raise ValueError("w1 and w3 must have the same format and shape")
     if grouped and offsets.numel() != op1.e + 1:
@@ -678,15 +679,13 @@ def _swiglu_hidden(a: torch.Tensor, offsets: Optional[torch.Tensor], w1, w3) -> 
 def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1, w3, w2) -> torch.Tensor:
     """Per expert: (silu(x W1.T) * (x W3.T)) W2.T; W2 is a second grouped GEMM."""
     offsets = _as_offsets(offsets, x.device)
-    h = _swiglu_hidden(_as_rows(x, _operands(w1).k), offsets, w1, w3)
-    return grouped_linear(h, offsets, w2)
+    return grouped_linear(_swiglu_hidden(x, offsets, w1, w3), offsets, w2)
 
 
 def swiglu(x: torch.Tensor, w1, w3, w2) -> torch.Tensor:
     """Dense SwiGLU FFN (the shared expert): (silu(x W1.T) * (x W3.T)) W2.T -> [..., D], with the
     fused W1 / W3 kernel of ``grouped_swiglu`` (the hidden activations never round before SwiGLU)."""
-    h = _swiglu_hidden(_as_rows(x, _operands(w1).k), None, w1, w3)
-    out = linear(h, w2)
+    out = linear(_swiglu_hidden(x, None, w1, w3), w2)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

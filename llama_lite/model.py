@@ -79,11 +79,16 @@ class RMSNorm(nn.Module):
         self.impl: Optional[Callable] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl is not None and not torch.compiler.is_compiling():
-            out = self.impl(x, self.weight, self.eps)
-            if out is not None:
-                return out
-        return rmsnorm(x, self.eps) * self.weight
+        return rmsnorm_via(self.impl, x, self.weight, self.eps)
+
+
+def rmsnorm_via(impl: Optional[Callable], x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """``rmsnorm(x, eps)`` (times ``weight`` if given), by ``impl(x, weight, eps)`` where one is
+    installed and does not decline (None); compiled code always takes the operators, which it fuses."""
+    out = impl(x, weight, eps) if impl is not None and not torch.compiler.is_compiling() else None
+    if out is None:
+        out = rmsnorm(x, eps) if weight is None else rmsnorm(x, eps) * weight
+    return out
 
 
 def rope_at(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,10 +191,7 @@ class Attention(nn.Module):
             if self.use_rope:
                 qk = apply_rope(qk, rope)
             if self.use_qk_norm:
-                normed = None
-                if self.norm_impl is not None and not torch.compiler.is_compiling():
-                    normed = self.norm_impl(qk, None, self.norm_eps)
-                qk = rmsnorm(qk, self.norm_eps) if normed is None else normed
+                qk = rmsnorm_via(self.norm_impl, qk, None, self.norm_eps)
             q, k = qk.split((self.n_local_heads, self.n_local_kv_heads), dim=2)
         if self.temperature_tuning:
             # Sharpen attention at long range on the global (NoPE) layers; no-op below floor_scale.

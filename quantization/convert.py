@@ -232,27 +232,6 @@ def _bf16_layers_to_kernels(model: Transformer, prefix: str) -> None:
         swapped.append(path)
 
 
-RELEASE_CHUNK = 64 << 20  # bytes copied between two releases of the source's pages
-
-
-def _copy_releasing(t: torch.Tensor, source) -> torch.Tensor:
-    """``huge_page_copy(t)``, chunk by chunk; where ``t`` is a view of the memory-mapped checkpoint,
-    the file pages of each chunk are dropped once it is copied. Copying a large tensor whole (the
-    bench preset's 0.8 GB embedding and output) held its file pages and its copy at once: the load's
-    peak, ~0.8 GiB over the loaded model."""
-    out = huge_page_empty(tuple(t.shape), t.dtype)
-    if out is None or t.device.type != "cpu":
-        return huge_page_copy(t)
-    src, dst = t.reshape(-1), out.view(-1)
-    step = max(1, RELEASE_CHUNK // t.element_size())
-    for i in range(0, src.numel(), step):
-        part = src[i : i + step]
-        dst[i : i + step].copy_(part)
-        start = part.data_ptr()
-        source.release(within=(start, start + part.numel() * part.element_size()))
-    return out
-
-
 def _attention_to_kernels(model: Transformer) -> None:
     """Let decode steps attend over the KV cache with ``kernels.decode_attention``: on a CPU PyTorch's
     SDPA takes 10-25x as long as reading the cache (an AMD EPYC without AVX-512 BF16). Where it
@@ -312,7 +291,7 @@ def convert_to_quantized_model(
     # once per token, and in 4 KiB pages the TLB misses slowed it by a fifth or more. bf16 weights too,
     # copied out of the memory-mapped checkpoint (its page cache lies in 4 KiB pages), except routed
     # experts that _bf16_layers_to_kernels lays out anew anyway.
-    placed = huge_page_copy if prepare and device.type == "cpu" else (lambda t: t)
+    placed = huge_page_copy if prepare and device.type == "cpu" else (lambda t, copied=None: t)
     bf16_kernels = prepare and device.type == "cpu" and dtype == torch.bfloat16  # _bf16_layers_to_kernels runs
 
     def to_device(w: QuantizedWeight) -> QuantizedWeight:
@@ -375,7 +354,8 @@ def convert_to_quantized_model(
                     )
                 out = t.to(device=device, dtype=dtype).contiguous()
                 if not (bf16_kernels and isinstance(model.get_submodule(name.rpartition(".")[0]), Experts)):
-                    out = _copy_releasing(out, source) if placed is huge_page_copy else placed(out)
+                    # where out is still a view of the memory-mapped file, its pages go chunk by chunk
+                    out = placed(out, copied=lambda start, end: source.release(within=(start, end)))
                 if out.data_ptr() == t.data_ptr():  # still a view of the memory-mapped file
                     out = loaded_tensor(name, t, device, dtype)  # (which copies what must not stay one)
                 elif t.device.type == "cpu":  # a copy: this process no longer needs the file's pages

@@ -297,7 +297,7 @@ def test_large_copies_drop_the_file_pages_of_each_copied_chunk(tmp_path, monkeyp
     GiB over the model on the bench preset, two 0.8 GB tables); the copy has the file's values."""
     import mmap
 
-    import quantization.convert as C
+    import kernels.memory as M
     from llama_lite.checkpoint import release_file_pages
 
     mib = 1 << 20
@@ -314,8 +314,9 @@ def test_large_copies_drop_the_file_pages_of_each_copied_chunk(tmp_path, monkeyp
             release_file_pages([path], within)
             resident.append(resident_bytes(src.data_ptr(), src.data_ptr() + src.nbytes))
 
-    monkeypatch.setattr(C, "RELEASE_CHUNK", mib)
-    out = C._copy_releasing(src, Source())
+    monkeypatch.setattr(M, "COPY_CHUNK", mib)
+    source = Source()
+    out = M.huge_page_copy(src, copied=lambda start, end: source.release(within=(start, end)))
     assert torch.equal(out, want.view(4096, -1))
     assert _advised(out) == HUGE
     if HUGE:  # copied chunk by chunk: never more than about a chunk of the file resident
