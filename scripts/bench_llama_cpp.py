@@ -7,6 +7,12 @@ this Python), then to Q8_0 and Q4_0 (``llama-quantize``, its default recipe per 
 ``<export>-gguf/`` beside the export. ``llama-bench`` then measures decode at batch 1 (``-n``) and
 prefill (``-p``) of each with the benchmark's threads and lengths.
 
+Decode is also measured *interleaved*: while a llama-lite mode's worker has its model loaded, each of
+its decode runs is followed by one llama-bench decode run of the paired format (``PAIRS``), and the
+ratio is taken per pair of neighbouring runs. On a shared machine the memory bandwidth can move by 2x
+within minutes (measured: a streaming read at 30 and at 60 GB/s in one sitting); runs minutes apart
+then compare two machines, neighbouring runs compare the engines.
+
 Nothing of llama.cpp is vendored here: this module only runs its tools and reads their output.
 """
 
@@ -236,7 +242,53 @@ def bench_command(tools: Tools, gguf: Path, threads: int, prefill_len: int, deco
             "-r", str(runs), *extra, "-o", "json"]
 
 
-def parse_bench_json(text: str, prefill_len: int, decode_tokens: int) -> dict:
+def decode_command(tools: Tools, gguf: Path, threads: int, decode_tokens: int, extra: list[str]) -> list[str]:
+    """One llama-bench decode run (no prefill test): the interleaved runs beside llama-lite's."""
+    return bench_command(tools, gguf, threads, 0, decode_tokens, 1, extra)
+
+
+def pair_spec(tools: Tools, ggufs: dict[str, Path], mode: str, spec: dict, extra: list[str]) -> Optional[dict]:
+    """What a llama-lite worker of ``mode`` needs to interleave llama.cpp's decode runs with its own
+    (``run_pair``), or None when the mode has no paired format or it was not converted."""
+    fmt = dict(PAIRS).get(mode)
+    if fmt is None or fmt not in ggufs:
+        return None
+    return {"mode": fmt, "gguf_bytes": ggufs[fmt].stat().st_size,
+            "command": decode_command(tools, ggufs[fmt], spec["threads"], spec["decode_tokens"], extra)}
+
+
+def memory_left_for(pair: dict) -> Optional[str]:
+    """Why llama.cpp cannot run beside the loaded llama-lite model (its GGUF, read whole into memory,
+    and this process would not fit in the machine's memory: pages of either would be read again from
+    disk inside the timed runs), or None when it can."""
+    try:
+        with open("/proc/meminfo") as f:
+            total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    # llama-bench reads the GGUF whole into its own memory (load_flags), through the page cache, whose
+    # once-read pages are the first the kernel takes back
+    need = rss + pair["gguf_bytes"] + 2 * 1024**3
+    if need > total:
+        return (f"not interleaved: this model ({rss / 1024**3:.1f} GiB) and llama.cpp's {pair['mode']} "
+                f"({pair['gguf_bytes'] / 1024**3:.1f} GiB, read through the page cache) need more than the "
+                f"machine's {total / 1024**3:.1f} GiB")
+    return None
+
+
+def run_pair(pair: dict, decode_tokens: int) -> float:
+    """One interleaved llama-bench decode run: tokens/s (a RuntimeError / ValueError when it fails)."""
+    proc = subprocess.run(pair["command"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"llama-bench {exit_reason(proc.returncode)}: {tail[-300:]}")
+    return parse_bench_json(proc.stdout, 0, decode_tokens, need=("decode_b1_tok_s",))["decode_b1_tok_s"]
+
+
+def parse_bench_json(text: str, prefill_len: int, decode_tokens: int,
+                     need: tuple[str, ...] = ("prefill_tok_s", "decode_b1_tok_s")) -> dict:
     """The result row of one llama-bench ``-o json`` run (a list of tests, each with n_prompt, n_gen,
     avg_ts, stddev_ts, samples_ts, build_commit, build_number, ...): prefill of ``prefill_len`` tokens
     and decode of ``decode_tokens`` tokens after an empty context, tokens/s as the median of the runs."""
@@ -246,7 +298,7 @@ def parse_bench_json(text: str, prefill_len: int, decode_tokens: int) -> dict:
     tests = json.loads(text[start:])
     row: dict = {}
     for t in tests:
-        if t.get("n_prompt") == prefill_len and t.get("n_gen") == 0:
+        if prefill_len and t.get("n_prompt") == prefill_len and t.get("n_gen") == 0:
             kind = "prefill"
         elif t.get("n_prompt") == 0 and t.get("n_gen") == decode_tokens:
             kind = "decode_b1"
@@ -262,7 +314,7 @@ def parse_bench_json(text: str, prefill_len: int, decode_tokens: int) -> dict:
                     "n_threads"):
             if key in t:
                 row[key] = t[key]
-    missing = [k for k in ("prefill_tok_s", "decode_b1_tok_s") if k not in row]
+    missing = [k for k in need if k not in row]
     if missing:
         raise ValueError(f"llama-bench output has no {' / '.join(missing)} test (pp{prefill_len}, tg{decode_tokens})")
     if "model_size" in row:
@@ -314,16 +366,26 @@ def run_bench(tools: Tools, fmt: str, gguf: Path, spec: dict, extra: list[str]) 
 
 def ratios(results: list[dict]) -> list[dict]:
     """llama-lite over llama.cpp (bf16 / bf16, int4_mixed / Q8_0, int4_all / Q4_0), decode at batch 1 and
-    prefill, for the pairs whose both sides ran."""
+    prefill, for the pairs whose both sides ran; ``decode_b1_interleaved``: the median over the
+    interleaved runs (``run_pair``) of each llama-lite run over its neighbouring llama.cpp run, with
+    their range."""
     lite = {r["mode"]: r for r in results if r["engine"] == "llama-lite" and "error" not in r}
     cpp = {r["mode"]: r for r in results if r["engine"] == ENGINE and "error" not in r}
 
     def ratio(a: dict, b: dict, key: str) -> Optional[float]:
         return a[key] / b[key] if a.get(key) and b.get(key) else None
 
-    return [{"llama_lite": mode, "llama_cpp": fmt, "decode_b1": ratio(lite[mode], cpp[fmt], "decode_b1_tok_s"),
-             "prefill": ratio(lite[mode], cpp[fmt], "prefill_tok_s")}
-            for mode, fmt in PAIRS if mode in lite and fmt in cpp]
+    def interleaved(mode: str, fmt: str) -> dict:
+        pair = lite.get(mode, {}).get("llama_cpp_pair") or {}
+        if pair.get("mode") != fmt or not pair.get("ratios"):
+            return {"decode_b1_interleaved": None}
+        return {"decode_b1_interleaved": statistics.median(pair["ratios"]),
+                "decode_b1_interleaved_range": [min(pair["ratios"]), max(pair["ratios"])],
+                "decode_b1_interleaved_runs": len(pair["ratios"])}
+
+    return [{"llama_lite": mode, "llama_cpp": fmt, "decode_b1": ratio(lite[mode], cpp.get(fmt, {}), "decode_b1_tok_s"),
+             "prefill": ratio(lite[mode], cpp.get(fmt, {}), "prefill_tok_s"), **interleaved(mode, fmt)}
+            for mode, fmt in PAIRS if mode in lite and (fmt in cpp or interleaved(mode, fmt)["decode_b1_interleaved"])]
 
 
 def version(results: list[dict]) -> Optional[dict]:

@@ -319,7 +319,12 @@ def run_llama_lite(spec: dict) -> dict:
     timed_generate(llama, random_prompts(spec["batch"], spec["prompt_len"], 1), 3)
 
     quiet = spec["wait_quiet"]
-    runs: list[dict] = []  # per decode run: tok/s, bandwidth, others' CPU share
+    pair = spec.get("llama_cpp_pair")
+    pair_note = bench_llama_cpp.memory_left_for(pair) if pair else None
+    if pair_note:
+        print(f"[benchmark] llama.cpp {pair['mode']} {pair_note}", file=sys.stderr, flush=True)
+        pair = None
+    runs: list[dict] = []  # per decode run: tok/s, bandwidth, others' CPU share (, llama.cpp's neighbouring run)
     for r in range(2 * spec["decode_runs"] if quiet else spec["decode_runs"]):
         wait_for_quiet(quiet)
         load = OtherLoad()
@@ -327,6 +332,14 @@ def run_llama_lite(spec: dict) -> dict:
         _, stamps = timed_generate(llama, random_prompts(1, spec["prompt_len"], 10 + r), spec["decode_tokens"])
         bw = (bw_before + stream.bandwidth()) / 2
         runs.append({"tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]), "bw": bw, "others": load.share()})
+        if pair:
+            try:
+                runs[-1]["peer_tok_s"] = bench_llama_cpp.run_pair(pair, spec["decode_tokens"])
+            except (RuntimeError, ValueError, KeyError, TypeError, OSError) as err:
+                pair_note = f"interleaved run failed: {type(err).__name__}: {err}"
+                print(f"[benchmark] llama.cpp {pair['mode']} {pair_note}", file=sys.stderr, flush=True)
+                pair = None
+            runs[-1]["others"] = max(filter(None, [runs[-1]["others"], load.share()]), default=None)
         if sum(_quiet(run) for run in runs) >= spec["decode_runs"]:
             break
     # With --wait_quiet, runs that neighbours disturbed (> 15% of the CPUs) are left out when enough others are not.
@@ -340,6 +353,15 @@ def run_llama_lite(spec: dict) -> dict:
     res["roofline_pct"] = 100 * median([run["tok_s"] * res["bytes_per_token"] / run["bw"] for run in kept])
     others = [run["others"] for run in kept]
     res["others_cpu_pct"] = 100 * median(others) if None not in others else None
+    if spec.get("llama_cpp_pair"):
+        paired = [run for run in kept if run.get("peer_tok_s")]
+        res["llama_cpp_pair"] = {"mode": spec["llama_cpp_pair"]["mode"],
+                                 "command": " ".join(spec["llama_cpp_pair"]["command"]),
+                                 "lite_tok_s": [run["tok_s"] for run in paired],
+                                 "peer_tok_s": [run["peer_tok_s"] for run in paired],
+                                 "ratios": [run["tok_s"] / run["peer_tok_s"] for run in paired]}
+        if pair_note:
+            res["llama_cpp_pair"]["note"] = pair_note
 
     b8 = []
     for r in range(spec["batch_runs"]):
@@ -581,10 +603,19 @@ def llama_cpp_notes(tools, ratios: list[dict], version: Optional[dict], settings
              "context). Q8_0 / Q4_0 by llama-quantize's default recipe (its Q4_0 keeps output.weight in Q6_K; with 8 "
              "experts, attention K/V in Q8_0).\n"]
     if ratios:
-        lines += ["| llama-lite | llama.cpp | decode b1 lite / llama.cpp | prefill lite / llama.cpp |", "|---|---|---|---|"]
-        lines += [f"| {r['llama_lite']} | {r['llama_cpp']} | {_ratio(r['decode_b1'])} | {_ratio(r['prefill'])} |"
-                  for r in ratios]
-        lines.append("")
+        lines += ["| llama-lite | llama.cpp | decode b1 lite / llama.cpp, interleaved runs: median (range, pairs) "
+                  "| decode b1, separate runs | prefill lite / llama.cpp |", "|---|---|---|---|---|"]
+        for r in ratios:
+            inter = "-"
+            if r.get("decode_b1_interleaved"):
+                lo, hi = r["decode_b1_interleaved_range"]
+                inter = f"{_ratio(r['decode_b1_interleaved'])} ({lo:.2f}-{hi:.2f}, {r['decode_b1_interleaved_runs']})"
+            lines.append(f"| {r['llama_lite']} | {r['llama_cpp']} | {inter} | {_ratio(r['decode_b1'])} | "
+                         f"{_ratio(r['prefill'])} |")
+        lines += ["", "Interleaved: each llama-lite decode run is followed by one llama-bench decode run "
+                  f"(-p 0 -n {settings['decode_tokens']} -r 1) while the llama-lite model stays loaded, and the "
+                  "ratio is taken per neighbouring pair: the machine's memory bandwidth can drift by 2x between "
+                  "runs minutes apart (the separate runs), much less between neighbours.", ""]
     return "\n".join(lines)
 
 
@@ -782,9 +813,12 @@ def main(
             for fmt, err in gguf_errors.items():
                 print(f"[benchmark] llama.cpp {fmt} not made: {err}", file=sys.stderr, flush=True)
     results = []
+    pair_flags = bench_llama_cpp.load_flags(tools) if ggufs else []
     with tempfile.TemporaryDirectory(prefix="llama-lite-bench-") as tmp:
         for mode in chosen:
-            results.append(run_worker({**settings, "engine": "llama-lite", "mode": mode}, Path(tmp)))
+            pair = bench_llama_cpp.pair_spec(tools, ggufs, mode, settings, pair_flags) if ggufs else None
+            results.append(run_worker({**settings, "engine": "llama-lite", "mode": mode, "llama_cpp_pair": pair},
+                                      Path(tmp)))
         if peers:
             if (ckpt / "params.json").exists():
                 results.append(run_worker({**settings, "engine": "llama-models", "mode": "bf16"}, Path(tmp)))

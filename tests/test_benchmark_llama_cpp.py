@@ -21,8 +21,8 @@ if args == ["--help"]:
     sys.exit(print("  -lm, --load-mode <auto|none|mmap|mlock|mmap+mlock|dio> (default: auto)"))
 opts = dict(zip(args[::2], args[1::2]))
 open({log!r}, "a").write("bench " + " ".join(args) + "\\n")
-need = {{"-t": "1", "-p": "64", "-n": "6", "-r": "1", "-lm": "none", "-o": "json"}}
-if any(opts.get(k) != v for k, v in need.items()) or not opts.get("-m", "").endswith(".gguf"):
+need = {{"-t": "1", "-n": "6", "-r": "1", "-lm": "none", "-o": "json"}}
+if any(opts.get(k) != v for k, v in need.items()) or opts.get("-p") not in ("0", "64") or not opts.get("-m", "").endswith(".gguf"):
     sys.exit("fake llama-bench: unexpected arguments " + " ".join(args))
 if os.environ.get("FAKE_SIGILL") and opts["-m"].endswith(os.environ["FAKE_SIGILL"]):
     os.kill(os.getpid(), signal.SIGILL)
@@ -30,10 +30,13 @@ speed = {{"bf16.gguf": 10.0, "q8_0.gguf": 20.0, "q4_0.gguf": 40.0}}[opts["-m"].r
 common = {{"build_commit": "fake123", "build_number": 4242, "cpu_info": "Fake CPU", "model_type": "llama4 ?B",
            "model_size": 3 * 1024**3, "model_n_params": 100, "n_threads": 1, "n_depth": 0, "avg_ns": 1}}
 print("a log line before the JSON")
-print(json.dumps([
-    {{**common, "n_prompt": 64, "n_gen": 0, "avg_ts": 10 * speed, "stddev_ts": 1.0, "samples_ts": [10 * speed]}},
-    {{**common, "n_prompt": 0, "n_gen": 6, "avg_ts": speed, "stddev_ts": 0.5, "samples_ts": [speed]}},
-], indent=2))
+if opts["-p"] == "0":  # an interleaved decode run: each one slower than the last
+    n = len([line for line in open({log!r}) if line.startswith("bench") and " -p 0 " in line])
+    speed /= n
+tests = [{{**common, "n_prompt": 0, "n_gen": 6, "avg_ts": speed, "stddev_ts": 0.5, "samples_ts": [speed]}}]
+if opts["-p"] != "0":
+    tests.insert(0, {{**common, "n_prompt": 64, "n_gen": 0, "avg_ts": 10 * speed, "stddev_ts": 1.0, "samples_ts": [10 * speed]}})
+print(json.dumps(tests, indent=2))
 '''
 
 FAKE_QUANTIZE = '''
@@ -190,15 +193,46 @@ def test_parse_bench_json_and_ratios():
 
     lite = lambda mode, d, p: {"engine": "llama-lite", "mode": mode, "decode_b1_tok_s": d, "prefill_tok_s": p}  # noqa: E731
     cpp = lambda mode, d, p: {"engine": "llama.cpp", "mode": mode, "decode_b1_tok_s": d, "prefill_tok_s": p}  # noqa: E731
-    results = [lite("bf16", 6, 40), lite("int4_mixed", 9, 30), {**lite("int4_all", 1, 1), "error": "x"},
-               cpp("bf16", 4, 80), cpp("Q8_0", 12, 60), cpp("Q4_0", 16, 90)]
+    pair = {"mode": "Q8_0", "ratios": [0.9, 1.2, 1.0]}  # int4_mixed's interleaved runs
+    results = [lite("bf16", 6, 40), {**lite("int4_mixed", 9, 30), "llama_cpp_pair": pair},
+               {**lite("int4_all", 1, 1), "error": "x"}, cpp("bf16", 4, 80), cpp("Q8_0", 12, 60), cpp("Q4_0", 16, 90)]
     assert bench_llama_cpp.ratios(results) == [
-        {"llama_lite": "bf16", "llama_cpp": "bf16", "decode_b1": 1.5, "prefill": 0.5},
-        {"llama_lite": "int4_mixed", "llama_cpp": "Q8_0", "decode_b1": 0.75, "prefill": 0.5},
+        {"llama_lite": "bf16", "llama_cpp": "bf16", "decode_b1": 1.5, "prefill": 0.5, "decode_b1_interleaved": None},
+        {"llama_lite": "int4_mixed", "llama_cpp": "Q8_0", "decode_b1": 0.75, "prefill": 0.5,
+         "decode_b1_interleaved": 1.0, "decode_b1_interleaved_range": [0.9, 1.2], "decode_b1_interleaved_runs": 3},
     ]  # int4_all did not run: no pair
+    # a pair recorded for another format is not taken for this one; interleaved runs alone make a row
+    results[1]["llama_cpp_pair"] = {**pair, "mode": "Q4_0"}
+    assert bench_llama_cpp.ratios(results)[1]["decode_b1_interleaved"] is None
+    results[1]["llama_cpp_pair"] = pair
+    assert [r["llama_lite"] for r in bench_llama_cpp.ratios(results[:3])] == ["int4_mixed"]
     notes = benchmark.llama_cpp_notes(bench_llama_cpp.Tools(*["x"] * 3), bench_llama_cpp.ratios(results), None,
                                       {"threads": 2, "prefill_len": 512, "decode_tokens": 24, "llama_cpp_runs": 5})
-    assert "| bf16 | bf16 | 1.50x | 0.50x |" in notes and "-p 512 -n 24" in notes
+    assert "| bf16 | bf16 | - | 1.50x | 0.50x |" in notes and "-p 512 -n 24" in notes
+    assert "| int4_mixed | Q8_0 | 1.00x (0.90-1.20, 3) | 0.75x | 0.50x |" in notes and "-p 0 -n 24 -r 1" in notes
+
+
+def test_interleaved_decode_runs(fake_llama_cpp, hf_export, tiny_ckpt, tmp_path, capsys):
+    """A llama-lite mode's decode runs each followed by one llama-bench decode run of its pair, the
+    ratio per neighbouring pair (the fake llama-bench slows down run by run: 20, 10, ... tok/s)."""
+    build, log = fake_llama_cpp
+    out = tmp_path / "results.json"
+    benchmark.main(checkpoint=str(tiny_ckpt), hf_checkpoint=str(hf_export), modes="int4_mixed", quick=True,
+                   threads=1, llama_cpp=str(build), out=str(out), plot="")
+    data = json.loads(out.read_text())
+    lite = next(r for r in data["results"] if r["engine"] == "llama-lite")
+    assert "error" not in lite, lite
+    pair = lite["llama_cpp_pair"]
+    runs = benchmark.QUICK["decode_runs"]
+    assert pair["mode"] == "Q8_0" and pair["peer_tok_s"] == [20.0 / (i + 1) for i in range(runs)]
+    assert pair["lite_tok_s"] == lite["decode_b1_runs"]
+    assert pair["ratios"] == [a / b for a, b in zip(pair["lite_tok_s"], pair["peer_tok_s"])]
+    interleaved = [line for line in log.read_text().splitlines() if " -p 0 " in line]
+    assert len(interleaved) == runs and all("q8_0.gguf" in line and "-r 1" in line for line in interleaved)
+    row = next(r for r in data["llama_cpp"]["ratios"] if r["llama_lite"] == "int4_mixed")
+    assert row["decode_b1_interleaved"] == pytest.approx(sorted(pair["ratios"])[runs // 2] if runs % 2 else
+                                                         sum(sorted(pair["ratios"])[runs // 2 - 1:runs // 2 + 1]) / 2)
+    assert "interleaved runs" in capsys.readouterr().out
 
 
 def test_the_bench_preset_is_the_model_llama_cpp_runs():
