@@ -274,3 +274,13 @@ def test_tokenizer_json(tmp_path):
                  "Grüße, нещо на Български, 我想在apple工作 🦙🦙", "<|header_start|>user<|header_end|>\n\nhi<|eot|>"]:
         assert hf.encode(text) == ours.encode(text, bos=True, eos=False, allowed_special="all"), text
     assert hf.convert_ids_to_tokens(200000) == "<|begin_of_text|>" and len(hf) == 202048
+
+
+def test_pairing_is_skipped_when_both_models_would_not_fit():
+    """memory_left_for: None when this process, the GGUF and 2 GiB fit in the machine's memory, a
+    reason naming the sizes when they do not."""
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert bench_llama_cpp.memory_left_for({"mode": "Q4_0", "gguf_bytes": 1024**2}) is None
+    reason = bench_llama_cpp.memory_left_for({"mode": "bf16", "gguf_bytes": total})
+    assert reason is not None and reason.startswith("not interleaved") and "llama.cpp's bf16" in reason
