@@ -339,7 +339,7 @@ def run_llama_lite(spec: dict) -> dict:
                 pair_note = f"interleaved run failed: {type(err).__name__}: {err}"
                 print(f"[benchmark] llama.cpp {pair['mode']} {pair_note}", file=sys.stderr, flush=True)
                 pair = None
-            runs[-1]["others"] = max(filter(None, [runs[-1]["others"], load.share()]), default=None)
+            runs[-1]["others"] = max((s for s in (runs[-1]["others"], load.share()) if s is not None), default=None)
         if sum(_quiet(run) for run in runs) >= spec["decode_runs"]:
             break
     # With --wait_quiet, runs that neighbours disturbed (> 15% of the CPUs) are left out when enough others are not.
