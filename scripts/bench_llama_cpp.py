@@ -257,21 +257,17 @@ def pair_spec(tools: Tools, ggufs: dict[str, Path], mode: str, spec: dict, extra
             "command": decode_command(tools, ggufs[fmt], spec["threads"], spec["decode_tokens"], extra)}
 
 
-def memory_left_for(pair: dict) -> Optional[str]:
-    """Why llama.cpp cannot run beside the loaded llama-lite model (its GGUF, read whole into memory,
-    and this process would not fit in the machine's memory: pages of either would be read again from
-    disk inside the timed runs), or None when it can."""
+def memory_left_for(pair: dict, rss: int) -> Optional[str]:
+    """Why llama.cpp cannot run beside the loaded llama-lite model, whose process holds ``rss`` bytes
+    (its GGUF, read whole into memory, and this process would not fit in the machine's memory: pages
+    of either would be read again from disk inside the timed runs), or None when it can."""
     try:
-        with open("/proc/meminfo") as f:
-            total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-        with open("/proc/self/status") as f:
-            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration, ValueError):
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
         return None
     # llama-bench reads the GGUF whole into its own memory (load_flags), through the page cache, whose
     # once-read pages are the first the kernel takes back
-    need = rss + pair["gguf_bytes"] + 2 * 1024**3
-    if need > total:
+    if rss + pair["gguf_bytes"] + 2 * 1024**3 > total:
         return (f"not interleaved: this model ({rss / 1024**3:.1f} GiB) and llama.cpp's {pair['mode']} "
                 f"({pair['gguf_bytes'] / 1024**3:.1f} GiB, read through the page cache) need more than the "
                 f"machine's {total / 1024**3:.1f} GiB")
@@ -383,9 +379,14 @@ def ratios(results: list[dict]) -> list[dict]:
                 "decode_b1_interleaved_range": [min(pair["ratios"]), max(pair["ratios"])],
                 "decode_b1_interleaved_runs": len(pair["ratios"])}
 
-    return [{"llama_lite": mode, "llama_cpp": fmt, "decode_b1": ratio(lite[mode], cpp.get(fmt, {}), "decode_b1_tok_s"),
-             "prefill": ratio(lite[mode], cpp.get(fmt, {}), "prefill_tok_s"), **interleaved(mode, fmt)}
-            for mode, fmt in PAIRS if mode in lite and (fmt in cpp or interleaved(mode, fmt)["decode_b1_interleaved"])]
+    rows = []
+    for mode, fmt in PAIRS:
+        inter = interleaved(mode, fmt)
+        if mode in lite and (fmt in cpp or inter["decode_b1_interleaved"]):
+            rows.append({"llama_lite": mode, "llama_cpp": fmt,
+                         "decode_b1": ratio(lite[mode], cpp.get(fmt, {}), "decode_b1_tok_s"),
+                         "prefill": ratio(lite[mode], cpp.get(fmt, {}), "prefill_tok_s"), **inter})
+    return rows
 
 
 def version(results: list[dict]) -> Optional[dict]:

@@ -320,7 +320,7 @@ def run_llama_lite(spec: dict) -> dict:
 
     quiet = spec["wait_quiet"]
     pair = spec.get("llama_cpp_pair")
-    pair_note = bench_llama_cpp.memory_left_for(pair) if pair else None
+    pair_note = bench_llama_cpp.memory_left_for(pair, MemoryMonitor.status().get("VmRSS", 0)) if pair else None
     if pair_note:
         print(f"[benchmark] llama.cpp {pair['mode']} {pair_note}", file=sys.stderr, flush=True)
         pair = None

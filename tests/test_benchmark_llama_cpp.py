@@ -281,6 +281,6 @@ def test_pairing_is_skipped_when_both_models_would_not_fit():
     reason naming the sizes when they do not."""
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    assert bench_llama_cpp.memory_left_for({"mode": "Q4_0", "gguf_bytes": 1024**2}) is None
-    reason = bench_llama_cpp.memory_left_for({"mode": "bf16", "gguf_bytes": total})
+    assert bench_llama_cpp.memory_left_for({"mode": "Q4_0", "gguf_bytes": 1024**2}, 1024**3) is None
+    reason = bench_llama_cpp.memory_left_for({"mode": "bf16", "gguf_bytes": total}, 1024**3)
     assert reason is not None and reason.startswith("not interleaved") and "llama.cpp's bf16" in reason
