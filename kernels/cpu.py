@@ -483,18 +483,10 @@ def _tile_expert(form: dict, xe: torch.Tensor, e: int, tok: Optional[torch.Tenso
 _DECODE_CALLS = 64
 
 
-def _decode_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = None) -> Optional[torch.Tensor]:
-    """What ``_run(...).to(torch.bfloat16)`` returns, in one library call, or None where it does not apply.
-
-    Decode's case: bf16 x, weights whose activations are not quantized (or int8, which the
-    library quantizes itself), every row in an expert that takes the GEMV. The library widens x
-    into its order and rounds the fp32 results to bf16 itself (the same operations as the general
-    path, so the same bits), which saves four PyTorch ops and ~25 us of Python per call. The C
-    argument block of each row split is built once and kept (``_DECODE_CALLS``), so a call costs
-    one dictionary lookup, one ``torch.empty`` and the library call.
-    """
-    if x.dtype != torch.bfloat16 or form["act"] not in (None, "int8") or x.stride(-1) != 1:
-        return None
+def _io_plan(form: dict, form3: Optional[dict] = None) -> tuple:
+    """(form3, library function, C argument block as bytes, activation order, per-split calls) of
+    the bf16-in, bf16-out GEMV of a form whose activations are not quantized (or int8), built once
+    per form (per W3 for a SwiGLU) and kept in it."""
     key = "io" if form3 is None else "io3"
     plan = form.get(key)
     if plan is None or (form3 is not None and plan[0] is not form3):
@@ -511,6 +503,39 @@ def _decode_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[di
         perm = perm.to(torch.int32).contiguous()
         template = _args(form, perm, None, None, None, None, form3)
         plan = form[key] = (form3, fn, bytes(template), perm, {})
+    return plan
+
+
+def one_call_gemv(w: Weight, w3: Optional[Weight] = None) -> Optional[tuple]:
+    """(library function, a fresh C argument block, activation order) of the one-call GEMV that
+    decode uses for ``w`` (bf16 rows in, bf16 out; with ``w3``: silu(x W.T) * (x W3.T)), for a
+    caller that runs it from C; None where decode would not take it (``_decode_bf16``). The
+    block's row_start / row_end are the caller's to set; its threads are PyTorch's now."""
+    if isinstance(w, torch.Tensor) or (w3 is not None and (type(w3) is not type(w) or isinstance(w3, torch.Tensor))):
+        return None
+    form = _form(w)
+    form3 = _form(w3) if w3 is not None else None
+    if form["path"] == "torch" or form["act"] not in (None, "int8") or (form3 is not None and not _fusable(form, form3)):
+        return None
+    _, fn, template, perm, _ = _io_plan(form, form3)
+    args = LlkArgs.from_buffer_copy(template)
+    args.nthreads = torch.get_num_threads()
+    return fn, args, perm
+
+
+def _decode_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = None) -> Optional[torch.Tensor]:
+    """What ``_run(...).to(torch.bfloat16)`` returns, in one library call, or None where it does not apply.
+
+    Decode's case: bf16 x, weights whose activations are not quantized (or int8, which the
+    library quantizes itself), every row in an expert that takes the GEMV. The library widens x
+    into its order and rounds the fp32 results to bf16 itself (the same operations as the general
+    path, so the same bits), which saves four PyTorch ops and ~25 us of Python per call. The C
+    argument block of each row split is built once and kept (``_DECODE_CALLS``), so a call costs
+    one dictionary lookup, one ``torch.empty`` and the library call.
+    """
+    if x.dtype != torch.bfloat16 or form["act"] not in (None, "int8") or x.stride(-1) != 1:
+        return None
+    plan = _io_plan(form, form3)
     _, fn, template, perm, calls = plan
     t, nt = x.shape[0], torch.get_num_threads()
     call = calls.get((t, nt, *off))

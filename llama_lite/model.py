@@ -303,6 +303,9 @@ class MoE(nn.Module):
         self.router_DE = nn.Parameter(torch.empty(args.dim, args.moe_args.num_experts))
         self._router_key, self._router_ED = None, None  # router_logits' fp32 copy and what it was made from
         self._one_token_offsets: dict = {}  # (expert, device) -> offsets [E + 1] of one row routed there
+        # one_token_impl(x_1D, router_ED) -> ``_one_token``'s result in one call, or None where it does
+        # not apply (router_ED: ``router_fp32``); a loader may install one (eager code only)
+        self.one_token_impl: Optional[Callable] = None
         self.shared_expert = FeedForward(args.dim, hidden, do_reduce=False)
 
     def router_logits(self, x_aD: torch.Tensor) -> torch.Tensor:
@@ -319,13 +322,19 @@ class MoE(nn.Module):
             return x_aD @ w
         if torch.compiler.is_compiling():
             return (x_aD.float() @ w.float()).to(x_aD.dtype)
+        router_ED = self.router_fp32()
+        if x_aD.shape[0] == 1:
+            return torch.mv(router_ED, x_aD[0].float()).to(x_aD.dtype)[None]
+        return (x_aD.float() @ router_ED.t()).to(x_aD.dtype)
+
+    def router_fp32(self) -> torch.Tensor:
+        """The router as a contiguous fp32 [E, D] copy, rebuilt when the weight is replaced or written."""
+        w = self.router_DE
         key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
         if self._router_key != key:
             self._router_ED = w.detach().t().float().contiguous()
             self._router_key = key
-        if x_aD.shape[0] == 1:
-            return torch.mv(self._router_ED, x_aD[0].float()).to(x_aD.dtype)[None]
-        return (x_aD.float() @ self._router_ED.t()).to(x_aD.dtype)
+        return self._router_ED
 
     def route(self, x_aD: torch.Tensor):
         """Returns (token index per routed row, score per routed row, offsets [E+1]), rows sorted by expert."""
@@ -354,6 +363,10 @@ class MoE(nn.Module):
     def _one_token(self, x_1D: torch.Tensor) -> torch.Tensor:
         """``forward`` of one token with top-1 routing (decode at batch 1): the same operations on
         the same values as the general route, ~15 fewer ops per layer."""
+        if self.one_token_impl is not None:
+            out_1D = self.one_token_impl(x_1D, self.router_fp32())
+            if out_1D is not None:
+                return out_1D
         score_11, offsets = self.route_one(x_1D)
         routed_1D = self.experts(x_1D * score_11, offsets)
         out_1D = self.shared_expert(x_1D)

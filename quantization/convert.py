@@ -236,7 +236,9 @@ def _attention_to_kernels(model: Transformer) -> None:
     """Let decode steps attend over the KV cache with ``kernels.decode_attention``: on a CPU PyTorch's
     SDPA takes 10-25x as long as reading the cache (an AMD EPYC without AVX-512 BF16). Where it
     applies, ``kernels.decode_step`` also writes the cache in the same call. Every RMSNorm (the
-    layers' and the query/key heads') runs as one ``kernels.rmsnorm`` call where it applies."""
+    layers' and the query/key heads') runs as one ``kernels.rmsnorm`` call where it applies, and a
+    MoE layer whose routed and shared experts are both quantized decodes one token (top-1) as one
+    ``kernels.moe_one_token`` call where it applies."""
     impl = register_attention(kernels.decode_attention, kernels.decode_step)
     for module in model.modules():
         if isinstance(module, Attention):
@@ -244,6 +246,15 @@ def _attention_to_kernels(model: Transformer) -> None:
             module.norm_impl = kernels.rmsnorm
         elif isinstance(module, RMSNorm):
             module.impl = kernels.rmsnorm
+        elif (isinstance(module, MoE) and isinstance(module.experts, QuantizedExperts)
+              and isinstance(module.shared_expert, QuantizedFeedForward)):  # fmt: skip
+            routed, shared = module.experts, module.shared_expert
+            module.one_token_impl = partial(_moe_one_token, weights=(routed.w1, routed.w3, routed.w2, shared.w1,
+                                                                     shared.w3, shared.w2))  # fmt: skip
+
+
+def _moe_one_token(x_1D: torch.Tensor, router_ED: torch.Tensor, weights: tuple) -> Optional[torch.Tensor]:
+    return kernels.moe_one_token(x_1D, router_ED, *weights)
 
 
 def convert_to_quantized_model(

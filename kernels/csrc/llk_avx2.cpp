@@ -1065,4 +1065,80 @@ int llk_rmsnorm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t
     return 0;
 }
 
+// ------------------------------------------------------------------------------------------
+// A MoE layer for one token with top-1 routing (decode at batch 1), in one call: the router, the
+// routed expert's SwiGLU and the shared expert's, and their sum. The four GEMVs are the bf16-in,
+// bf16-out GEMVs Python would call (function pointers into whichever library the path uses, with
+// the argument blocks Python built), so their bits are those of the separate calls; what this adds
+// is the glue, with PyTorch's roundings: logits = bf16(router . x) with fp32 sums (their order is
+// this kernel's), the first expert of the largest logit, score = bf16(sigmoid(logit)), the routed
+// input bf16(x * score), and out = bf16(shared + routed). It saves ~15 PyTorch ops and Python
+// between them per layer, each slower right after a GEMV has streamed its weights.
+
+typedef int (*LlkGemvIO)(const LlkArgs*, const int32_t*, int64_t, int64_t, const uint16_t*, int64_t, uint16_t*,
+                         int64_t);
+
+struct LlkGemvCall {
+    LlkGemvIO fn;
+    const LlkArgs* args;  // its row_start / row_end: the plan's, for the routed calls
+    const int32_t* perm;
+    int64_t kp;
+};
+
+struct LlkMoePlan {
+    int64_t E, D, F_routed, F_shared;
+    const float* router;  // [E, D] fp32
+    int64_t* row_start;   // [E], what the routed calls' arguments point to
+    int64_t* row_end;
+    LlkGemvCall routed13, routed2, shared13, shared2;
+};
+
+static float dot_bf16_f32(const uint16_t* x, const float* w, int64_t n) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32)
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm256_fmadd_ps(bf16x8(x + k + 8 * j), _mm256_loadu_ps(w + k + 8 * j), acc[j]);
+    for (; k + 8 <= n; k += 8) acc[0] = _mm256_fmadd_ps(bf16x8(x + k), _mm256_loadu_ps(w + k), acc[0]);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (; k < n; k++) sum += bf16_value(x[k]) * w[k];
+    return sum;
+}
+
+static int call_io(const LlkGemvCall& c, const uint16_t* x, int64_t ldx, uint16_t* out) {
+    return c.fn(c.args, c.perm, c.kp, 1, x, ldx, out, c.args->N);
+}
+
+// x, out: bf16 [D]; expert (may be null): the chosen expert. Returns 0, or the failing GEMV's code.
+int llk_moe_one_token(const LlkMoePlan* p, const uint16_t* x, uint16_t* out, int64_t* expert) {
+    if (p->E <= 0 || p->D <= 0) return -1;
+    int64_t best = 0;
+    float best_logit = -INFINITY;
+    for (int64_t e = 0; e < p->E; e++) {
+        const float logit = bf16_value(round_bf16(dot_bf16_f32(x, p->router + e * p->D, p->D)));
+        if (logit > best_logit || e == 0) best = e, best_logit = logit;
+    }
+    const float score = bf16_value(round_bf16(1.0f / (1.0f + std::exp(-best_logit))));
+    thread_local std::vector<uint16_t> buf;
+    buf.resize((size_t)(p->D * 3 + p->F_routed + p->F_shared));
+    uint16_t* xs = buf.data();
+    uint16_t* routed = xs + p->D;
+    uint16_t* shared = routed + p->D;
+    uint16_t* h_routed = shared + p->D;
+    uint16_t* h_shared = h_routed + p->F_routed;
+    for (int64_t d = 0; d < p->D; d++) xs[d] = round_bf16(bf16_value(x[d]) * score);
+    for (int64_t e = 0; e < p->E; e++) p->row_start[e] = p->row_end[e] = 0;
+    p->row_end[best] = 1;
+    int rc = call_io(p->routed13, xs, p->D, h_routed);
+    if (!rc) rc = call_io(p->routed2, h_routed, p->F_routed, routed);
+    if (!rc) rc = call_io(p->shared13, x, p->D, h_shared);
+    if (!rc) rc = call_io(p->shared2, h_shared, p->F_shared, shared);
+    if (rc) return rc;
+    for (int64_t d = 0; d < p->D; d++) out[d] = round_bf16(bf16_value(shared[d]) + bf16_value(routed[d]));
+    if (expert) *expert = best;
+    return 0;
+}
+
 }  // extern "C"

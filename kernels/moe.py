@@ -1,0 +1,97 @@
+"""A MoE layer for one token with top-1 routing (decode at batch 1) in one library call:
+
+    moe_one_token(x, router_ED, w1, w3, w2, s1, s3, s2) -> bf16 [1, D], or None where it does not apply
+
+``router_ED`` is the router as fp32 [E, D]; w1 / w3 / w2 the routed experts' weights, s1 / s3 / s2
+the shared expert's (``kernels.formats`` containers). The library routes the token (the first
+expert of the largest bf16 logit, its score sigmoid(logit)), runs the routed SwiGLU on x * score
+and the shared SwiGLU on x with the same bf16-in, bf16-out GEMVs that ``kernels.grouped_swiglu``
+and ``kernels.swiglu`` call at decode, and adds the two (``llk_moe_one_token``, kernels/csrc).
+
+Numerics: the GEMVs' bits are those of the separate calls; routing, score, scaled input and sum are
+PyTorch's operations on the same values (one rounding to bf16 each), except that the router's fp32
+sums are this kernel's order: a logit on a bf16 rounding tie can come out one ulp apart, which can
+move the score by one ulp (and, where two experts' logits tie, the choice).
+
+Why: at batch 1 a MoE layer is ~15 PyTorch operators and ~6 kernel dispatches around its four
+GEMVs, each slower right after a GEMV has streamed its weights. None (the caller takes that path)
+unless x is one bf16 row on a CPU, the kernel backend may use the CPU libraries, the CPU cap is
+not ``none``, and every weight has a one-call GEMV there (not for fp8 / nvfp4-quantized
+activations, which the library does not quantize in this call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import cpu
+from .cpu_lib import isa, library
+from .dispatch import get_backend
+
+class LlkGemvCall(ctypes.Structure):
+    _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_void_p), ("perm", ctypes.c_void_p), ("kp", ctypes.c_int64)]
+
+
+class LlkMoePlan(ctypes.Structure):
+    _fields_ = [
+        ("E", ctypes.c_int64), ("D", ctypes.c_int64), ("F_routed", ctypes.c_int64), ("F_shared", ctypes.c_int64),
+        ("router", ctypes.c_void_p), ("row_start", ctypes.c_void_p), ("row_end", ctypes.c_void_p),
+        ("routed13", LlkGemvCall), ("routed2", LlkGemvCall), ("shared13", LlkGemvCall), ("shared2", LlkGemvCall),
+    ]  # fmt: skip
+
+
+def _call(gemv: tuple, keep: list) -> LlkGemvCall:
+    fn, args, perm = gemv
+    keep += [args, perm]
+    return LlkGemvCall(ctypes.cast(fn, ctypes.c_void_p).value, ctypes.addressof(args), perm.data_ptr(), perm.numel())
+
+
+def _plan(router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[tuple]:
+    """(plan, what it points to) for these weights, or None where a GEMV has no one-call form."""
+    calls = [cpu.one_call_gemv(w1, w3), cpu.one_call_gemv(w2), cpu.one_call_gemv(s1, s3), cpu.one_call_gemv(s2)]
+    if any(c is None for c in calls):
+        return None
+    (_, a13, _), (_, a2, _), (_, b13, _), (_, b2, _) = calls
+    e, d = router_ED.shape
+    # shapes as the separate calls would check them: x [D] -> h [F] -> [D], for both SwiGLUs
+    if a13.E != e or a2.E != e or a13.K != d or a2.K != a13.N or a2.N != d or b13.K != d or b2.K != b13.N or b2.N != d:
+        return None
+    starts, ends = (ctypes.c_int64 * e)(), (ctypes.c_int64 * e)()  # the routed calls' rows: set by the library
+    for a in (a13, a2):
+        a.row_start, a.row_end = ctypes.addressof(starts), ctypes.addressof(ends)
+    one_start, one_end = (ctypes.c_int64 * 1)(0), (ctypes.c_int64 * 1)(1)  # the shared calls': the one row
+    for a in (b13, b2):
+        a.row_start, a.row_end = ctypes.addressof(one_start), ctypes.addressof(one_end)
+    keep = [router_ED, starts, ends, one_start, one_end, s1, s3, s2]  # (the shared weights' ids are in the key)
+    plan = LlkMoePlan(e, d, a13.N, b13.N, router_ED.data_ptr(), ctypes.addressof(starts), ctypes.addressof(ends),
+                      *(_call(c, keep) for c in calls))  # fmt: skip
+    return plan, keep
+
+
+def moe_one_token(x: torch.Tensor, router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[torch.Tensor]:
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1:
+        return None
+    if get_backend() not in ("auto", "cpu") or router_ED.dtype != torch.float32 or not router_ED.is_contiguous():
+        return None
+    path = isa()
+    if path == "none" or isinstance(w1, torch.Tensor):
+        return None
+    # one plan per (path, threads, router copy, shared weights), kept in the routed W1's prepared forms
+    key = (path, torch.get_num_threads(), router_ED.data_ptr(), tuple(router_ED.shape), id(s1), id(s3), id(s2))
+    kept = w1.prepared.setdefault("moe_one_token", {})
+    entry = kept.get(key)
+    if entry is None:
+        if len(kept) >= 8:
+            kept.clear()
+        entry = kept[key] = _plan(router_ED, w1, w3, w2, s1, s3, s2) or (None, None)
+    plan = entry[0]
+    if plan is None or x.shape[1] != plan.D:
+        return None
+    out = torch.empty(1, plan.D, dtype=torch.bfloat16)
+    rc = library("avx2").llk_moe_one_token(ctypes.addressof(plan), x.data_ptr(), out.data_ptr(), None)
+    if rc:
+        raise RuntimeError(f"llk_moe_one_token: a GEMV rejected a layout that prepare() accepted ({rc})")  # a bug
+    return out
