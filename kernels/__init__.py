@@ -6,10 +6,12 @@ Weights are ``kernels.formats`` containers (``Int4Weight``, ``Fp8Weight``, ``W4A
 ``NVFP4Weight``) or plain tensors. ``kernels.reference`` defines the numerics; ``kernels.cpu`` and
 ``kernels.triton_kernels`` are the fast paths, chosen by ``kernels.dispatch``. ``decode_attention``
 (``kernels.attention``) is a decode step's attention over a KV cache; ``rmsnorm`` (``kernels.norm``)
-an RMSNorm of bf16 rows in one call; ``moe_one_token`` (``kernels.moe``) a MoE layer for one token in one call.
+an RMSNorm of bf16 rows in one call; ``moe_one_token`` (``kernels.moe``) a MoE layer for one token in one call,
+``OneTokenAttention`` (``kernels.attention_layer``) an attention layer's decode step for one token in one call.
 """
 
 from .attention import decode_attention, decode_step
+from .attention_layer import OneTokenAttention
 from .dispatch import BACKENDS, get_backend, grouped_linear, grouped_swiglu, linear, prepare, set_backend, swiglu
 from .moe import moe_one_token
 from .norm import rmsnorm
@@ -32,7 +34,7 @@ from .formats import (
 __all__ = [
     "BACKENDS", "get_backend", "set_backend", "prepare",
     "linear", "grouped_linear", "grouped_swiglu", "swiglu", "decode_attention", "decode_step", "rmsnorm",
-    "moe_one_token",
+    "moe_one_token", "OneTokenAttention",
     "Int4Weight", "Fp8Weight", "W4A8Weight", "NVFP4Weight", "QuantizedWeight",
     "dequantize_weight", "format_name", "weight_shape", "select_expert",
     "pack_int4", "unpack_int4", "pack_fp4", "unpack_fp4",

@@ -523,6 +523,31 @@ def one_call_gemv(w: Weight, w3: Optional[Weight] = None) -> Optional[tuple]:
     return fn, args, perm
 
 
+def one_call_gemv_bf16(w: torch.Tensor) -> Optional[tuple]:
+    """(library function, weight, row stride, N, K) of the GEMV ``linear`` uses for one bf16 row
+    times the bf16 weight ``w`` [N, K] (``llk_gemv_bf16``), for a caller that runs it from C; None
+    where ``linear`` would not take it (``_gemv_bf16``)."""
+    path = isa()
+    if path == "none" or not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.bfloat16:
+        return None
+    if w.stride(1) != 1 or w.device.type != "cpu":
+        return None
+    return gemv_lib(path).llk_gemv_bf16, w, w.stride(0), w.shape[0], w.shape[1]
+
+
+class LlkGemvCall(ctypes.Structure):
+    """A one-call GEMV as C code that runs several calls it (``LlkGemvCall`` in llk_avx2.cpp)."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_void_p), ("perm", ctypes.c_void_p), ("kp", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, gemv: tuple, keep: list) -> "LlkGemvCall":
+        """From ``one_call_gemv``'s result; what the struct points to joins ``keep``."""
+        fn, args, perm = gemv
+        keep += [args, perm]
+        return cls(ctypes.cast(fn, ctypes.c_void_p).value, ctypes.addressof(args), perm.data_ptr(), perm.numel())
+
+
 def _decode_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = None) -> Optional[torch.Tensor]:
     """What ``_run(...).to(torch.bfloat16)`` returns, in one library call, or None where it does not apply.
 

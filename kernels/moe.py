@@ -28,12 +28,9 @@ from typing import Optional
 import torch
 
 from . import cpu
+from .cpu import LlkGemvCall
 from .cpu_lib import isa, library
 from .dispatch import get_backend
-
-class LlkGemvCall(ctypes.Structure):
-    _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_void_p), ("perm", ctypes.c_void_p), ("kp", ctypes.c_int64)]
-
 
 class LlkMoePlan(ctypes.Structure):
     _fields_ = [
@@ -41,12 +38,6 @@ class LlkMoePlan(ctypes.Structure):
         ("router", ctypes.c_void_p), ("row_start", ctypes.c_void_p), ("row_end", ctypes.c_void_p),
         ("routed13", LlkGemvCall), ("routed2", LlkGemvCall), ("shared13", LlkGemvCall), ("shared2", LlkGemvCall),
     ]  # fmt: skip
-
-
-def _call(gemv: tuple, keep: list) -> LlkGemvCall:
-    fn, args, perm = gemv
-    keep += [args, perm]
-    return LlkGemvCall(ctypes.cast(fn, ctypes.c_void_p).value, ctypes.addressof(args), perm.data_ptr(), perm.numel())
 
 
 def _plan(router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[tuple]:
@@ -67,7 +58,7 @@ def _plan(router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[tuple]:
         a.row_start, a.row_end = ctypes.addressof(one_start), ctypes.addressof(one_end)
     keep = [router_ED, starts, ends, one_start, one_end, s1, s3, s2]  # (the shared weights' ids are in the key)
     plan = LlkMoePlan(e, d, a13.N, b13.N, router_ED.data_ptr(), ctypes.addressof(starts), ctypes.addressof(ends),
-                      *(_call(c, keep) for c in calls))  # fmt: skip
+                      *(LlkGemvCall.of(c, keep) for c in calls))  # fmt: skip
     return plan, keep
 
 

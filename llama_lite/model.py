@@ -166,6 +166,11 @@ class Attention(nn.Module):
         self.cache = None  # a kv_cache.RingCache (chunked layers) or PrefixCache
         self.attend_impl = 0  # the decode step's attention over the cache (kv_cache.register_attention); 0: SDPA
         self.norm_impl: Optional[Callable] = None  # the heads' RMSNorm in one call, as RMSNorm.impl (weight None)
+        # one_token_impl(x_1D, position, rope, q_scale) -> wo's output [1, D] for one token (batch-1
+        # decode) in one call, or None where it does not apply: rope the (cos, sin) of the position
+        # (None without RoPE), q_scale the temperature as a float (None: none). It reads and writes
+        # ``self.cache`` itself. A loader may install one (eager code only).
+        self.one_token_impl: Optional[Callable] = None
 
     @property
     def cache_k(self) -> Optional[torch.Tensor]:
@@ -179,10 +184,24 @@ class Attention(nn.Module):
         self.cache = make_cache(layout, self.chunk, max_batch_size, max_seq_len, self.n_local_kv_heads,
                                 self.head_dim, dtype, device)
 
+    def temperature(self, positions_bs: torch.Tensor) -> Optional[torch.Tensor]:
+        """The factor [B, S] (fp32) that sharpens attention at long range on the global (NoPE)
+        layers (1 below floor_scale); None on the other layers."""
+        if not self.temperature_tuning:
+            return None
+        pos = positions_bs.float()
+        return torch.log(torch.floor((pos + 1.0) / self.floor_scale) + 1.0) * self.attn_scale + 1.0
+
     def forward(self, x_bsD, positions_bs, rope, step: Optional[Step]) -> torch.Tensor:
         """``step`` None: decode, one token per row (``positions_bs`` [B, 1]), with fixed shapes
         around the cache (``decode_attention``)."""
         bsz, seqlen, _ = x_bsD.shape
+        q_scale = self.temperature(positions_bs)
+        if step is None and bsz == 1 and self.one_token_impl is not None and not torch.compiler.is_compiling():
+            out = self.one_token_impl(x_bsD.view(1, -1), int(positions_bs), rope if self.use_rope else None,
+                                      None if q_scale is None else float(q_scale))  # fmt: skip
+            if out is not None:
+                return reduce_parallel(out.view(bsz, seqlen, -1))
         q = self.wq(x_bsD).view(bsz, seqlen, self.n_local_heads, self.head_dim)
         k = self.wk(x_bsD).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         v = self.wv(x_bsD).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
@@ -193,11 +212,8 @@ class Attention(nn.Module):
             if self.use_qk_norm:
                 qk = rmsnorm_via(self.norm_impl, qk, None, self.norm_eps)
             q, k = qk.split((self.n_local_heads, self.n_local_kv_heads), dim=2)
-        if self.temperature_tuning:
-            # Sharpen attention at long range on the global (NoPE) layers; no-op below floor_scale.
-            pos = positions_bs.float()
-            scale = torch.log(torch.floor((pos + 1.0) / self.floor_scale) + 1.0) * self.attn_scale + 1.0
-            q = (q * scale[:, :, None, None]).type_as(k)
+        if q_scale is not None:
+            q = (q * q_scale[:, :, None, None]).type_as(k)
 
         if step is None:
             out = self.cache.decode(q, k, v, positions_bs[:, 0], self.attend_impl)

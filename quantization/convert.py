@@ -24,7 +24,7 @@ from kernels.formats import QuantizedWeight
 from kernels.memory import huge_page_copy, huge_page_empty
 from llama_lite.checkpoint import Checkpoint, loaded_tensor, set_tensor
 from llama_lite.errors import CheckpointError, ConfigError
-from llama_lite.kv_cache import register_attention
+from llama_lite.kv_cache import RingCache, register_attention
 from llama_lite.model import (
     Attention, ColumnParallelLinear, Experts, FeedForward, MoE, RMSNorm, RowParallelLinear, Transformer,
 )
@@ -238,12 +238,18 @@ def _attention_to_kernels(model: Transformer) -> None:
     applies, ``kernels.decode_step`` also writes the cache in the same call. Every RMSNorm (the
     layers' and the query/key heads') runs as one ``kernels.rmsnorm`` call where it applies, and a
     MoE layer whose routed and shared experts are both quantized decodes one token (top-1) as one
-    ``kernels.moe_one_token`` call where it applies."""
+    ``kernels.moe_one_token`` call where it applies; so does an attention layer whose four linear
+    layers run through ``kernels.linear``, as one ``kernels.OneTokenAttention`` call."""
     impl = register_attention(kernels.decode_attention, kernels.decode_step)
     for module in model.modules():
         if isinstance(module, Attention):
             module.attend_impl = impl
             module.norm_impl = kernels.rmsnorm
+            if all(isinstance(m, (QuantizedLinear, KernelLinear)) for m in (module.wq, module.wk, module.wv, module.wo)):
+                layer = kernels.OneTokenAttention(
+                    module.wq.weight, module.wk.weight, module.wv.weight, module.wo.weight, module.n_local_heads,
+                    module.n_local_kv_heads, module.head_dim, module.norm_eps if module.use_qk_norm else None)
+                module.one_token_impl = partial(_attention_one_token, layer=layer, attention=module)
         elif isinstance(module, RMSNorm):
             module.impl = kernels.rmsnorm
         elif (isinstance(module, MoE) and isinstance(module.experts, QuantizedExperts)
@@ -251,6 +257,11 @@ def _attention_to_kernels(model: Transformer) -> None:
             routed, shared = module.experts, module.shared_expert
             module.one_token_impl = partial(_moe_one_token, weights=(routed.w1, routed.w3, routed.w2, shared.w1,
                                                                      shared.w3, shared.w2))  # fmt: skip
+
+
+def _attention_one_token(x_1D: torch.Tensor, position: int, rope, q_scale, layer, attention: Attention):
+    cache = attention.cache
+    return layer(x_1D, position, rope, q_scale, *cache.store.tensors(), cache.chunk or 0, isinstance(cache, RingCache))
 
 
 def _moe_one_token(x_1D: torch.Tensor, router_ED: torch.Tensor, weights: tuple) -> Optional[torch.Tensor]:

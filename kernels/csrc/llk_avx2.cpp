@@ -1141,4 +1141,83 @@ int llk_moe_one_token(const LlkMoePlan* p, const uint16_t* x, uint16_t* out, int
     return 0;
 }
 
+// ------------------------------------------------------------------------------------------
+// A decode step's attention for one token (batch 1) in one call: the q / k / v GEMVs, RoPE, the
+// heads' RMSNorm, the temperature scale of q, the cache write and attention (``llk_decode_step``)
+// and the output GEMV. Each GEMV is the one Python would call (a quantized form's bf16-in, bf16-out
+// GEMV, or a bf16 weight's ``llk_gemv_bf16``, by function pointer into the path's library), and
+// the glue has the core's roundings: RoPE as x * cos + swap(x) * sin in fp32 with each product and
+// the sum rounded to fp32 (no FMA: the library is built with -ffp-contract=off), then bf16; the
+// norm is ``llk_rmsnorm_bf16``'s; q * scale in fp32, then bf16. ~25 PyTorch operators and 5 kernel
+// dispatches fewer per layer.
+
+typedef void (*LlkGemvBf16)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*,
+                            int64_t, int);
+
+struct LlkLinearCall {  // io.fn set: a quantized form's GEMV; else bf16_fn on the bf16 weight w [N, K]
+    LlkGemvCall io;
+    LlkGemvBf16 bf16_fn;
+    const uint16_t* w;
+    int64_t ldw, N, K, nthreads;
+};
+
+struct LlkAttnPlan {
+    int64_t D, H, Hkv, hd;
+    LlkLinearCall wq, wk, wv, wo;
+    int64_t qk_norm;  // RMSNorm of each q / k head (after RoPE), with eps
+    float eps, scale;  // scale: of the scores, hd^-0.5
+    uint16_t* cache_k;
+    uint16_t* cache_v;
+    int64_t strides[6];  // of cache_k [B, slots, Hkv, hd] then cache_v, in elements
+    int64_t slots, chunk, ring, nthreads;
+};
+
+static int call_linear(const LlkLinearCall& c, const uint16_t* x, int64_t ldx, uint16_t* out) {
+    if (c.io.fn) return call_io(c.io, x, ldx, out);
+    c.bf16_fn(c.w, c.ldw, c.N, c.K, x, ldx, 1, out, c.N, (int)c.nthreads);
+    return 0;
+}
+
+// x: bf16 [D], normed; pos: its position; cos / sin: fp32 [hd] as the core's rope_at lays them out
+// (null: no RoPE); q_scale: multiplies q where use_q_scale; out: bf16 [D] (wo's, before any
+// reduction across ranks). Returns 0, a GEMV's code, or -1 for a position outside the cache.
+int llk_attention_one_token(const LlkAttnPlan* p, const uint16_t* x, int64_t pos, const float* cos, const float* sin,
+                            int use_q_scale, float q_scale, uint16_t* out) {
+    const int64_t hd = p->hd, nq = p->H * hd, nkv = p->Hkv * hd;
+    if (pos < 0 || hd % 2) return -1;
+    const int64_t slot = p->ring ? pos % p->chunk : pos;
+    const int64_t lo = p->chunk && !p->ring ? pos - pos % p->chunk : 0;
+    if (slot >= p->slots) return -1;
+    thread_local std::vector<uint16_t> buf;
+    buf.resize((size_t)(2 * nq + 2 * nkv));
+    uint16_t* q = buf.data();  // q, k, v side by side, as the core's cat of q and k
+    uint16_t* k = q + nq;
+    uint16_t* v = k + nkv;
+    uint16_t* attn = v + nkv;
+    int rc = call_linear(p->wq, x, p->D, q);
+    if (!rc) rc = call_linear(p->wk, x, p->D, k);
+    if (!rc) rc = call_linear(p->wv, x, p->D, v);
+    if (rc) return rc;
+    const int64_t heads = p->H + p->Hkv;
+    if (cos) {
+        for (int64_t r = 0; r < heads; r++) {
+            uint16_t* h = q + r * hd;
+            for (int64_t i = 0; i < hd; i += 2) {
+                const float a = bf16_value(h[i]), b = bf16_value(h[i + 1]);
+                const float a_cos = a * cos[i], b_sin = b * sin[i], b_cos = b * cos[i + 1], a_sin = a * sin[i + 1];
+                h[i] = round_bf16(a_cos + b_sin);
+                h[i + 1] = round_bf16(b_cos + a_sin);
+            }
+        }
+    }
+    if (p->qk_norm) llk_rmsnorm_bf16(q, hd, nullptr, q, hd, heads, hd, p->eps, 1);
+    if (use_q_scale)
+        for (int64_t i = 0; i < nq; i++) q[i] = round_bf16(bf16_value(q[i]) * q_scale);
+    const int64_t new_strides[4] = {nkv, hd, nkv, hd};
+    rc = llk_decode_step(q, k, v, new_strides, p->cache_k, p->cache_v, p->strides, p->slots, &slot, &lo, 1, p->H,
+                         p->Hkv, hd, p->scale, attn, 1, (int)p->nthreads);
+    if (rc) return -1;
+    return call_linear(p->wo, attn, nq, out);
+}
+
 }  // extern "C"
