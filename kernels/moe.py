@@ -8,6 +8,11 @@ expert of the largest bf16 logit, its score sigmoid(logit)), runs the routed Swi
 and the shared SwiGLU on x with the same bf16-in, bf16-out GEMVs that ``kernels.grouped_swiglu``
 and ``kernels.swiglu`` call at decode, and adds the two (``llk_moe_one_token``, kernels/csrc).
 
+With bf16 weights (all six contiguous bf16 tensors: w1 / w3 [E, F, D], w2 [E, D, F], s1 / s3
+[Fs, D], s2 [D, Fs], the quantized loader's ``KernelExperts`` and ``KernelFeedForward``) each
+SwiGLU is the core's bf16 one, every product by the GEMV ``kernels.linear`` uses, silu and the
+product rounded to bf16 as PyTorch rounds them (``llk_moe_one_token_bf16``).
+
 Numerics: the GEMVs' bits are those of the separate calls; routing, score, scaled input and sum are
 PyTorch's operations on the same values (one rounding to bf16 each), except that the router's fp32
 sums are this kernel's order: a logit on a bf16 rounding tie can come out one ulp apart, which can
@@ -23,6 +28,7 @@ activations, which the library does not quantize in this call).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Optional
 
 import torch
@@ -62,14 +68,71 @@ def _plan(router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[tuple]:
     return plan, keep
 
 
+class LlkMoeBf16Plan(ctypes.Structure):
+    _fields_ = [
+        ("E", ctypes.c_int64), ("D", ctypes.c_int64), ("F_routed", ctypes.c_int64), ("F_shared", ctypes.c_int64),
+        ("router", ctypes.c_void_p), ("w1", ctypes.c_void_p), ("w3", ctypes.c_void_p), ("w2", ctypes.c_void_p),
+        ("s1", ctypes.c_void_p), ("s3", ctypes.c_void_p), ("s2", ctypes.c_void_p), ("gemv", ctypes.c_void_p),
+        ("nthreads", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+# bf16 weights have no prepared forms to keep plans in: id(routed W1) -> {key: (plan, what it points
+# to)}, dropped when that weight is (a WeakKeyDictionary would compare tensors with ==)
+_BF16_PLANS: dict[int, dict] = {}
+
+
+def _bf16_plans(w1: torch.Tensor) -> dict:
+    kept = _BF16_PLANS.get(id(w1))
+    if kept is None:
+        kept = _BF16_PLANS[id(w1)] = {}
+        weakref.finalize(w1, _BF16_PLANS.pop, id(w1), None)
+    return kept
+
+
+def _bf16_plan(router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[tuple]:
+    ws = (w1, w3, w2, s1, s3, s2)
+    if not all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.is_contiguous() for w in ws):
+        return None
+    if w1.dim() != 3 or s1.dim() != 2 or cpu.one_call_gemv_bf16(s1) is None:
+        return None
+    (e, f, d), fs = w1.shape, s1.shape[0]
+    if router_ED.shape != (e, d) or w3.shape != (e, f, d) or w2.shape != (e, d, f):
+        return None
+    if s3.shape != (fs, d) or s2.shape != (d, fs):
+        return None
+    gemv = ctypes.cast(cpu.one_call_gemv_bf16(s1)[0], ctypes.c_void_p).value
+    plan = LlkMoeBf16Plan(e, d, f, fs, router_ED.data_ptr(), *(w.data_ptr() for w in ws), gemv,
+                          torch.get_num_threads())  # fmt: skip
+    return plan, [router_ED, *ws[1:]]  # not w1: it keys the plan (a strong reference would keep it forever)
+
+
+def _moe_bf16(x: torch.Tensor, router_ED: torch.Tensor, path: str, ws: tuple) -> Optional[torch.Tensor]:
+    key = (path, torch.get_num_threads(), router_ED.data_ptr(), tuple(router_ED.shape), *(id(w) for w in ws[1:]))
+    kept = _bf16_plans(ws[0])
+    entry = kept.get(key)
+    if entry is None:
+        if len(kept) >= 8:
+            kept.clear()
+        entry = kept[key] = _bf16_plan(router_ED, *ws) or (None, None)
+    plan = entry[0]
+    if plan is None or x.shape[1] != plan.D:
+        return None
+    out = torch.empty(1, plan.D, dtype=torch.bfloat16)
+    library("avx2").llk_moe_one_token_bf16(ctypes.addressof(plan), x.data_ptr(), out.data_ptr(), None)
+    return out
+
+
 def moe_one_token(x: torch.Tensor, router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[torch.Tensor]:
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1:
         return None
     if get_backend() not in ("auto", "cpu") or router_ED.dtype != torch.float32 or not router_ED.is_contiguous():
         return None
     path = isa()
-    if path == "none" or isinstance(w1, torch.Tensor):
+    if path == "none":
         return None
+    if isinstance(w1, torch.Tensor):
+        return _moe_bf16(x, router_ED, path, (w1, w3, w2, s1, s3, s2))
     # one plan per (path, threads, router copy, shared weights), kept in the routed W1's prepared forms
     key = (path, torch.get_num_threads(), router_ED.data_ptr(), tuple(router_ED.shape), id(s1), id(s3), id(s2))
     kept = w1.prepared.setdefault("moe_one_token", {})

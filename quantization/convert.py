@@ -237,8 +237,8 @@ def _attention_to_kernels(model: Transformer) -> None:
     SDPA takes 10-25x as long as reading the cache (an AMD EPYC without AVX-512 BF16). Where it
     applies, ``kernels.decode_step`` also writes the cache in the same call. Every RMSNorm (the
     layers' and the query/key heads') runs as one ``kernels.rmsnorm`` call where it applies, and a
-    MoE layer whose routed and shared experts are both quantized decodes one token (top-1) as one
-    ``kernels.moe_one_token`` call where it applies; so does an attention layer whose four linear
+    MoE layer whose routed and shared experts are both quantized (or both left in bf16) decodes one
+    token (top-1) as one ``kernels.moe_one_token`` call where it applies; so does an attention layer whose four linear
     layers run through ``kernels.linear``, as one ``kernels.OneTokenAttention`` call."""
     impl = register_attention(kernels.decode_attention, kernels.decode_step)
     for module in model.modules():
@@ -252,8 +252,9 @@ def _attention_to_kernels(model: Transformer) -> None:
                 module.one_token_impl = partial(_attention_one_token, layer=layer, attention=module)
         elif isinstance(module, RMSNorm):
             module.impl = kernels.rmsnorm
-        elif (isinstance(module, MoE) and isinstance(module.experts, QuantizedExperts)
-              and isinstance(module.shared_expert, QuantizedFeedForward)):  # fmt: skip
+        elif isinstance(module, MoE) and (
+            (isinstance(module.experts, QuantizedExperts) and isinstance(module.shared_expert, QuantizedFeedForward))
+            or (isinstance(module.experts, KernelExperts) and isinstance(module.shared_expert, KernelFeedForward))):
             routed, shared = module.experts, module.shared_expert
             module.one_token_impl = partial(_moe_one_token, weights=(routed.w1, routed.w3, routed.w2, shared.w1,
                                                                      shared.w3, shared.w2))  # fmt: skip

@@ -1078,6 +1078,9 @@ int llk_rmsnorm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t
 typedef int (*LlkGemvIO)(const LlkArgs*, const int32_t*, int64_t, int64_t, const uint16_t*, int64_t, uint16_t*,
                          int64_t);
 
+typedef void (*LlkGemvBf16)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*,
+                            int64_t, int);
+
 struct LlkGemvCall {
     LlkGemvIO fn;
     const LlkArgs* args;  // its row_start / row_end: the plan's, for the routed calls
@@ -1111,16 +1114,23 @@ static int call_io(const LlkGemvCall& c, const uint16_t* x, int64_t ldx, uint16_
     return c.fn(c.args, c.perm, c.kp, 1, x, ldx, out, c.args->N);
 }
 
+// The top-1 route of x (bf16 [D]) by an fp32 router [E, D]: its expert, and the score as a bf16 value.
+static int64_t route_top1(const float* router, int64_t E, int64_t D, const uint16_t* x, float* score) {
+    int64_t best = 0;
+    float best_logit = -INFINITY;
+    for (int64_t e = 0; e < E; e++) {
+        const float logit = bf16_value(round_bf16(dot_bf16_f32(x, router + e * D, D)));
+        if (logit > best_logit || e == 0) best = e, best_logit = logit;
+    }
+    *score = bf16_value(round_bf16(1.0f / (1.0f + std::exp(-best_logit))));
+    return best;
+}
+
 // x, out: bf16 [D]; expert (may be null): the chosen expert. Returns 0, or the failing GEMV's code.
 int llk_moe_one_token(const LlkMoePlan* p, const uint16_t* x, uint16_t* out, int64_t* expert) {
     if (p->E <= 0 || p->D <= 0) return -1;
-    int64_t best = 0;
-    float best_logit = -INFINITY;
-    for (int64_t e = 0; e < p->E; e++) {
-        const float logit = bf16_value(round_bf16(dot_bf16_f32(x, p->router + e * p->D, p->D)));
-        if (logit > best_logit || e == 0) best = e, best_logit = logit;
-    }
-    const float score = bf16_value(round_bf16(1.0f / (1.0f + std::exp(-best_logit))));
+    float score;
+    const int64_t best = route_top1(p->router, p->E, p->D, x, &score);
     thread_local std::vector<uint16_t> buf;
     buf.resize((size_t)(p->D * 3 + p->F_routed + p->F_shared));
     uint16_t* xs = buf.data();
@@ -1141,6 +1151,54 @@ int llk_moe_one_token(const LlkMoePlan* p, const uint16_t* x, uint16_t* out, int
     return 0;
 }
 
+// The same layer with bf16 weights (mode none, the core's numbers): each SwiGLU as the core's bf16
+// FeedForward computes it, h1 = x W1.T and h3 = x W3.T rounded to bf16, silu(h1) = h1 / (1 + e^-h1)
+// in fp32 rounded to bf16, times h3 rounded to bf16, then W2 (every GEMV the path's llk_gemv_bf16,
+// by function pointer). PyTorch's silu takes e^x from its vector math library, this one from the C
+// library; the two differ in the last bit of e^x for a few hundred bf16 inputs, but silu rounded to
+// bf16 came out equal for every finite bf16 input (checked exhaustively against torch 2.13's).
+struct LlkMoeBf16Plan {
+    int64_t E, D, F_routed, F_shared;
+    const float* router;  // [E, D] fp32
+    const uint16_t *w1, *w3, *w2;  // routed: w1 / w3 [E, F, D], w2 [E, D, F], contiguous
+    const uint16_t *s1, *s3, *s2;  // shared: s1 / s3 [Fs, D], s2 [D, Fs], contiguous
+    LlkGemvBf16 gemv;
+    int64_t nthreads;
+};
+
+static void swiglu_bf16(const LlkMoeBf16Plan* p, const uint16_t* x, const uint16_t* w1, const uint16_t* w3,
+                        const uint16_t* w2, int64_t F, uint16_t* h1, uint16_t* h3, uint16_t* out) {
+    const int nt = (int)p->nthreads;
+    p->gemv(w1, p->D, F, p->D, x, p->D, 1, h1, F, nt);
+    p->gemv(w3, p->D, F, p->D, x, p->D, 1, h3, F, nt);
+    for (int64_t f = 0; f < F; f++) {
+        const float a = bf16_value(h1[f]);
+        const float silu = bf16_value(round_bf16(a / (1.0f + std::exp(-a))));
+        h1[f] = round_bf16(silu * bf16_value(h3[f]));
+    }
+    p->gemv(w2, F, p->D, F, h1, F, 1, out, p->D, nt);
+}
+
+int llk_moe_one_token_bf16(const LlkMoeBf16Plan* p, const uint16_t* x, uint16_t* out, int64_t* expert) {
+    if (p->E <= 0 || p->D <= 0) return -1;
+    float score;
+    const int64_t e = route_top1(p->router, p->E, p->D, x, &score);
+    const int64_t D = p->D, F = p->F_routed, Fs = p->F_shared, Fmax = std::max(F, Fs);
+    thread_local std::vector<uint16_t> buf;
+    buf.resize((size_t)(D * 3 + 2 * Fmax));
+    uint16_t* xs = buf.data();
+    uint16_t* routed = xs + D;
+    uint16_t* shared = routed + D;
+    uint16_t* h1 = shared + D;
+    uint16_t* h3 = h1 + Fmax;
+    for (int64_t d = 0; d < D; d++) xs[d] = round_bf16(bf16_value(x[d]) * score);
+    swiglu_bf16(p, xs, p->w1 + e * F * D, p->w3 + e * F * D, p->w2 + e * D * F, F, h1, h3, routed);
+    swiglu_bf16(p, x, p->s1, p->s3, p->s2, Fs, h1, h3, shared);
+    for (int64_t d = 0; d < D; d++) out[d] = round_bf16(bf16_value(shared[d]) + bf16_value(routed[d]));
+    if (expert) *expert = e;
+    return 0;
+}
+
 // ------------------------------------------------------------------------------------------
 // A decode step's attention for one token (batch 1) in one call: the q / k / v GEMVs, RoPE, the
 // heads' RMSNorm, the temperature scale of q, the cache write and attention (``llk_decode_step``)
@@ -1150,9 +1208,6 @@ int llk_moe_one_token(const LlkMoePlan* p, const uint16_t* x, uint16_t* out, int
 // the sum rounded to fp32 (no FMA: the library is built with -ffp-contract=off), then bf16; the
 // norm is ``llk_rmsnorm_bf16``'s; q * scale in fp32, then bf16. ~25 PyTorch operators and 5 kernel
 // dispatches fewer per layer.
-
-typedef void (*LlkGemvBf16)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*,
-                            int64_t, int);
 
 struct LlkLinearCall {  // io.fn set: a quantized form's GEMV; else bf16_fn on the bf16 weight w [N, K]
     LlkGemvCall io;

@@ -8,13 +8,15 @@ experts, the choice) may differ: the bound below allows a rare such token, not a
 """
 
 import dataclasses
+import gc
 
 import pytest
 import torch
+from torch.nn.functional import silu
 
 import kernels
 import quantization
-from kernels import cpu
+from kernels import cpu, moe
 from llama_lite.model import MoE
 from quantization.formats import quantize_fp8_rowwise, quantize_int4, quantize_nvfp4, quantize_w4a8
 
@@ -58,6 +60,62 @@ def separate_calls(x, router_ED, w1, w3, w2, s1, s3, s2):
     out = kernels.swiglu(x, s1, s3, s2)
     out += routed
     return out
+
+
+def _bf16_weights(seed: int = 0):
+    """The layout of the quantized loader's KernelExperts / KernelFeedForward (mode none)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+
+    ws = [rand(E, F, D), rand(E, F, D), rand(E, D, F), rand(FS, D), rand(FS, D), rand(D, FS)]
+    return torch.randn(E, D, generator=g) * 0.1, ws
+
+
+def bf16_separate_calls(x, router_ED, w1, w3, w2, s1, s3, s2):
+    """MoE._one_token with KernelExperts and KernelFeedForward, without the one-call hook."""
+    logits = torch.mv(router_ED, x[0].float()).to(x.dtype)[None]
+    score, expert = torch.topk(logits, 1, dim=-1)
+    e, xs = int(expert), x * torch.sigmoid(score)
+    routed = kernels.linear(silu(kernels.linear(xs, w1[e])) * kernels.linear(xs, w3[e]), w2[e])
+    out = kernels.linear(silu(kernels.linear(x, s1)) * kernels.linear(x, s3), s2)
+    out += routed
+    return out
+
+
+def test_bf16_weights_match_the_separate_calls(isa):
+    router_ED, ws = _bf16_weights()
+    xs = (torch.randn(24, 1, D, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
+    equal = 0
+    for x in xs:
+        got = kernels.moe_one_token(x, router_ED, *ws)
+        if isa == "none":
+            assert got is None
+            continue
+        want = bf16_separate_calls(x, router_ED, *ws)
+        assert got.shape == want.shape == (1, D) and got.dtype == torch.bfloat16
+        equal += torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=0, atol=2**-6 * float(want.abs().max()))
+    assert isa == "none" or equal >= len(xs) - 2, equal
+
+
+def test_bf16_plans_go_with_their_weights():
+    router_ED, ws = _bf16_weights(seed=4)
+    x = torch.ones(1, D, dtype=torch.bfloat16)
+    if cpu.isa() == "none":
+        assert kernels.moe_one_token(x, router_ED, *ws) is None
+        return
+    assert kernels.moe_one_token(x, router_ED, *ws) is not None
+    key = id(ws[0])
+    assert key in moe._BF16_PLANS
+    del ws
+    gc.collect()
+    assert key not in moe._BF16_PLANS
+    _, ws = _bf16_weights()
+    assert kernels.moe_one_token(x, router_ED, ws[0][:, :-8], *ws[1:]) is None  # not contiguous
+    assert kernels.moe_one_token(x, router_ED, ws[0].float(), *ws[1:]) is None  # fp32
+    assert kernels.moe_one_token(x, router_ED, *ws[:5], ws[5][:, :-8].contiguous()) is None  # wrong shape
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int4_a8", "nvfp4"])
@@ -108,8 +166,9 @@ def test_declines_what_it_does_not_compute(fmt):
     assert kernels.moe_one_token(x, router_ED[:2].contiguous(), *ws) is None  # a router for other experts
 
 
-def test_the_quantized_loader_decodes_each_moe_layer_in_one_call(tiny_ckpt, dist1, monkeypatch):
-    llama = quantization.build(tiny_ckpt, "int4_mixed", max_seq_len=64, max_batch_size=1, progress=False)
+@pytest.mark.parametrize("mode", ["int4_mixed", "none"])
+def test_the_quantized_loader_decodes_each_moe_layer_in_one_call(mode, tiny_ckpt, dist1, monkeypatch):
+    llama = quantization.build(tiny_ckpt, mode, max_seq_len=64, max_batch_size=1, progress=False)
     model = llama.model
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     assert layers and all(m.one_token_impl is not None for m in layers)
