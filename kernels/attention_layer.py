@@ -86,7 +86,9 @@ class OneTokenAttention:
         self._plans: dict = {}
 
     def _plan(self, cache_k: torch.Tensor, cache_v: torch.Tensor, chunk: int, ring: bool) -> Optional[tuple]:
-        keep: list = [cache_k, cache_v]
+        # not the cache tensors: a plan is found by their address, shape and strides, so it is only
+        # ever used with a live cache at that very place (and an old cache is freed with its model)
+        keep: list = []
         calls = [_linear_call(w, keep) for w in self.weights]
         if any(c is None for c in calls):
             return None
@@ -118,7 +120,7 @@ class OneTokenAttention:
         if path == "none":
             return None
         key = (path, torch.get_num_threads(), cache_k.data_ptr(), cache_v.data_ptr(), tuple(cache_k.shape),
-               cache_k.stride(), cache_v.stride(), chunk, ring)  # fmt: skip
+               tuple(cache_v.shape), cache_k.stride(), cache_v.stride(), chunk, ring)  # fmt: skip
         entry = self._plans.get(key)
         if entry is None:
             if len(self._plans) >= 8:

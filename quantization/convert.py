@@ -238,8 +238,9 @@ def _attention_to_kernels(model: Transformer) -> None:
     applies, ``kernels.decode_step`` also writes the cache in the same call. Every RMSNorm (the
     layers' and the query/key heads') runs as one ``kernels.rmsnorm`` call where it applies, and a
     MoE layer whose routed and shared experts are both quantized (or both left in bf16) decodes one
-    token (top-1) as one ``kernels.moe_one_token`` call where it applies; so does an attention layer whose four linear
-    layers run through ``kernels.linear``, as one ``kernels.OneTokenAttention`` call."""
+    token (top-1) as one ``kernels.moe_one_token`` call where it applies; so does an attention
+    layer whose four linear layers run through ``kernels.linear``, as one ``kernels.OneTokenAttention``
+    call."""
     impl = register_attention(kernels.decode_attention, kernels.decode_step)
     for module in model.modules():
         if isinstance(module, Attention):
