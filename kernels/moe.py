@@ -108,7 +108,8 @@ def _bf16_plan(router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[tupl
 
 
 def _moe_bf16(x: torch.Tensor, router_ED: torch.Tensor, path: str, ws: tuple) -> Optional[torch.Tensor]:
-    key = (path, torch.get_num_threads(), router_ED.data_ptr(), tuple(router_ED.shape), *(id(w) for w in ws[1:]))
+    key = (path, torch.get_num_threads(), router_ED.data_ptr(), tuple(router_ED.shape), ws[0].data_ptr(),
+           *(id(w) for w in ws[1:]))  # fmt: skip
     kept = _bf16_plans(ws[0])
     entry = kept.get(key)
     if entry is None:
