@@ -167,3 +167,17 @@ def test_direct_use_with_random_weights_and_a_ring():
                 assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
         finally:
             cpu.set_isa(None)
+
+
+def test_one_call_layers_under_tensor_parallelism(tiny_ckpt, tmp_path):
+    """Two ranks, bf16, batch 1: each rank's one-call attention and MoE layers return its partial
+    wo / W2 sums and the core reduces them, as with the separate calls: the same bits."""
+    from helpers import ROOT, run_ranks
+
+    out = tmp_path / "one_call_tp2.pt"
+    proc = run_ranks(2, [str(ROOT / "tests" / "workers" / "one_call_worker.py"), str(tiny_ckpt), str(out),
+                         "none,int4_mixed", "2"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for mode, r in torch.load(out, weights_only=True).items():
+        assert r["expected"] > 0 and r["taken"] == (0 if cpu.isa() == "none" else r["expected"]), mode
+        assert torch.equal(r["one_call"], r["separate"]), (mode, float((r["one_call"] - r["separate"]).abs().max()))
