@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import quantization  # noqa: E402
 from llama_lite.distributed import init_distributed  # noqa: E402
 from llama_lite.model import Attention, MoE  # noqa: E402
+from quant_worker import save_and_finish  # noqa: E402  (this folder: the script's own)
 
 
 def main(ckpt: str, out: str, modes: str, world_size: int) -> None:
@@ -45,10 +46,7 @@ def main(ckpt: str, out: str, modes: str, world_size: int) -> None:
                                         for i, t in enumerate(nxt)])  # fmt: skip
         results[mode] = {**runs, "taken": taken[0], "expected": len(layers) * len(nxt)}
         del llama, model, layers, impls
-    if rank == 0:
-        torch.save(results, out)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    save_and_finish(rank, results, out)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,11 @@ def main(ckpt: str, out: str, modes: str, world_size: int, targets: str = "", dt
                                        stop_tokens=[])
         results[mode] = {"logits": logits, "greedy": greedy}
         del llama
+    save_and_finish(rank, results, out)
+
+
+def save_and_finish(rank: int, results: dict, out: str) -> None:
+    """Rank 0 saves the results; every rank ends its process group."""
     if rank == 0:
         torch.save(results, out)
     # End the process group here, as the other workers and the scripts do, not in the interpreter's
