@@ -39,7 +39,7 @@ from .dispatch import get_backend
 
 class LlkLinearCall(ctypes.Structure):
     _fields_ = [("io", LlkGemvCall), ("bf16_fn", ctypes.c_void_p), ("w", ctypes.c_void_p), ("ldw", ctypes.c_int64),
-                ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("nthreads", ctypes.c_int64)]  # fmt: skip
+                ("N", ctypes.c_int64), ("K", ctypes.c_int64)]  # fmt: skip
 
 
 class LlkAttnPlan(ctypes.Structure):
@@ -60,8 +60,7 @@ def _linear_call(w, keep: list) -> Optional[tuple[LlkLinearCall, int, int]]:
             return None
         fn, weight, ldw, n, k = gemv
         keep.append(weight)
-        call = LlkLinearCall(LlkGemvCall(), ctypes.cast(fn, ctypes.c_void_p).value, weight.data_ptr(), ldw, n, k,
-                             torch.get_num_threads())  # fmt: skip
+        call = LlkLinearCall(LlkGemvCall(), ctypes.cast(fn, ctypes.c_void_p).value, weight.data_ptr(), ldw, n, k)
         return call, n, k
     gemv = cpu.one_call_gemv(w)
     if gemv is None:

@@ -94,15 +94,16 @@ def _bf16_plan(router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[tupl
     ws = (w1, w3, w2, s1, s3, s2)
     if not all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.is_contiguous() for w in ws):
         return None
-    if w1.dim() != 3 or s1.dim() != 2 or cpu.one_call_gemv_bf16(s1) is None:
+    gemv = cpu.one_call_gemv_bf16(s1)
+    if w1.dim() != 3 or gemv is None:
         return None
     (e, f, d), fs = w1.shape, s1.shape[0]
     if router_ED.shape != (e, d) or w3.shape != (e, f, d) or w2.shape != (e, d, f):
         return None
     if s3.shape != (fs, d) or s2.shape != (d, fs):
         return None
-    gemv = ctypes.cast(cpu.one_call_gemv_bf16(s1)[0], ctypes.c_void_p).value
-    plan = LlkMoeBf16Plan(e, d, f, fs, router_ED.data_ptr(), *(w.data_ptr() for w in ws), gemv,
+    fn = ctypes.cast(gemv[0], ctypes.c_void_p).value
+    plan = LlkMoeBf16Plan(e, d, f, fs, router_ED.data_ptr(), *(w.data_ptr() for w in ws), fn,
                           torch.get_num_threads())  # fmt: skip
     return plan, [router_ED, *ws[1:]]  # not w1: it keys the plan (a strong reference would keep it forever)
 

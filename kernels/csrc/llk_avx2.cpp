@@ -1213,7 +1213,7 @@ struct LlkLinearCall {  // io.fn set: a quantized form's GEMV; else bf16_fn on t
     LlkGemvCall io;
     LlkGemvBf16 bf16_fn;
     const uint16_t* w;
-    int64_t ldw, N, K, nthreads;
+    int64_t ldw, N, K;
 };
 
 struct LlkAttnPlan {
@@ -1227,9 +1227,9 @@ struct LlkAttnPlan {
     int64_t slots, chunk, ring, nthreads;
 };
 
-static int call_linear(const LlkLinearCall& c, const uint16_t* x, int64_t ldx, uint16_t* out) {
-    if (c.io.fn) return call_io(c.io, x, ldx, out);
-    c.bf16_fn(c.w, c.ldw, c.N, c.K, x, ldx, 1, out, c.N, (int)c.nthreads);
+static int call_linear(const LlkLinearCall& c, const uint16_t* x, int64_t ldx, uint16_t* out, int64_t nthreads) {
+    if (c.io.fn) return call_io(c.io, x, ldx, out);  // its threads: in its argument block
+    c.bf16_fn(c.w, c.ldw, c.N, c.K, x, ldx, 1, out, c.N, (int)nthreads);
     return 0;
 }
 
@@ -1249,9 +1249,9 @@ int llk_attention_one_token(const LlkAttnPlan* p, const uint16_t* x, int64_t pos
     uint16_t* k = q + nq;
     uint16_t* v = k + nkv;
     uint16_t* attn = v + nkv;
-    int rc = call_linear(p->wq, x, p->D, q);
-    if (!rc) rc = call_linear(p->wk, x, p->D, k);
-    if (!rc) rc = call_linear(p->wv, x, p->D, v);
+    int rc = call_linear(p->wq, x, p->D, q, p->nthreads);
+    if (!rc) rc = call_linear(p->wk, x, p->D, k, p->nthreads);
+    if (!rc) rc = call_linear(p->wv, x, p->D, v, p->nthreads);
     if (rc) return rc;
     const int64_t heads = p->H + p->Hkv;
     if (cos) {
@@ -1272,7 +1272,7 @@ int llk_attention_one_token(const LlkAttnPlan* p, const uint16_t* x, int64_t pos
     rc = llk_decode_step(q, k, v, new_strides, p->cache_k, p->cache_v, p->strides, p->slots, &slot, &lo, 1, p->H,
                          p->Hkv, hd, p->scale, attn, 1, (int)p->nthreads);
     if (rc) return -1;
-    return call_linear(p->wo, attn, nq, out);
+    return call_linear(p->wo, attn, nq, out, p->nthreads);
 }
 
 }  // extern "C"
