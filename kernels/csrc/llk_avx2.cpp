@@ -74,7 +74,7 @@ static inline float scale_at(const void* s, int64_t i, const Tables& t) {
 }
 
 // 32 weight bytes at p; a row's last, partial chunk is copied into zeros first.
-static inline __m256i load_chunk(const uint8_t* p, int64_t rem) {
+static inline LLK_INLINE __m256i load_chunk(const uint8_t* p, int64_t rem) {
     if (rem >= 32) return _mm256_loadu_si256((const __m256i*)p);
     alignas(32) uint8_t buf[32] = {0};
     memcpy(buf, p, (size_t)std::max<int64_t>(rem, 0));
@@ -111,7 +111,7 @@ static inline __m256i nibbles(__m256i v, int s) {
 }
 
 // Vectors 4 s .. 4 s + 3 of a chunk from its nibbles ``nib`` (s's half).
-static inline void decode4_half(__m256i nib, __m256i tlo, __m256i thi, __m256 d[4]) {
+static inline LLK_INLINE void decode4_half(__m256i nib, __m256i tlo, __m256i thi, __m256 d[4]) {
     const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000);
     const __m256i lo = _mm256_shuffle_epi8(tlo, nib), hi = _mm256_shuffle_epi8(thi, nib);
     const __m256i w0 = _mm256_unpacklo_epi8(lo, hi), w1 = _mm256_unpackhi_epi8(lo, hi);
@@ -121,13 +121,13 @@ static inline void decode4_half(__m256i nib, __m256i tlo, __m256i thi, __m256 d[
     d[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, hi_mask));
 }
 
-static inline void decode4(__m256i v, __m256i tlo, __m256i thi, __m256 d[8]) {
+static inline LLK_INLINE void decode4(__m256i v, __m256i tlo, __m256i thi, __m256 d[8]) {
     decode4_half(nibbles(v, 0), tlo, thi, d);
     decode4_half(nibbles(v, 1), tlo, thi, d + 4);
 }
 
 // fp8, per 32 bytes: d[j] = K [8 j, 8 j + 8) times 2^-8.
-static inline void decode8(__m256i v, __m256 d[4]) {
+static inline LLK_INLINE void decode8(__m256i v, __m256 d[4]) {
     const __m256i zero = _mm256_setzero_si256(), keep = _mm256_set1_epi16((short)0xBFFF);
     const __m256i h0 = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(zero, v), 1), keep);
     const __m256i h1 = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(zero, v), 1), keep);
@@ -141,7 +141,7 @@ static const float kFp8Unit = 256.0f;  // decode8 yields values times 2^-8
 
 // Group scales of 4-bit chunk c: sc[0] for vectors with h = 0, sc[1] for h = 1 (see decode4).
 template <int SF>
-static inline void chunk_scales(const void* srow, int64_t c, int gs, int64_t ngroups, const Tables& t, __m256 sc[2]) {
+static inline LLK_INLINE void chunk_scales(const void* srow, int64_t c, int gs, int64_t ngroups, const Tables& t, __m256 sc[2]) {
     auto at = [&](int64_t k) { return scale_at<SF>(srow, std::min<int64_t>(k / gs, ngroups - 1), t); };
     const int64_t k0 = 64 * c;
     if (gs >= 64) {
@@ -166,6 +166,8 @@ static inline float hsum(__m256 v) {
 // Batch-1 GEMVs prefetch the weight row's bytes this far ahead (a row or more on; one prefetch per
 // 64-byte line). On 2 AMD EPYC cores: a bf16 202048 x 2048 layer 12-14 -> 14-17 GB/s (a streaming
 // read: 16-21), int4 with int8 activations 18.5-20 -> 16.5-17.5 ms, int4 a few percent, in noise.
+// Every weight loop prefetches: on a 2-core Xeon (16-expert stack, batch 1) the fp8 GEMV without
+// it read 10.7 GB/s, with it 20.5-22 (a streaming read: 24), nvfp4 9 -> 13 GB/s.
 static const int64_t kRowAhead = 4096;
 
 // Accumulators per activation row: enough independent FMA chains to cover the FMA latency.
@@ -210,40 +212,63 @@ static inline float gemv_row_int4_m1(const LlkArgs& a, const uint8_t* wrow, cons
     return hsum(_mm256_add_ps(tot0, tot1));
 }
 
-// The four e4m3 scales of a 64-value nvfp4 chunk, times 2^-8 (see decode8), as the two scale
-// vectors of decode4's halves: sc[0] = [s0 x4, s2 x4], sc[1] = [s1 x4, s3 x4].
-static inline void fp4_chunk_scales(const uint8_t* s4, __m256 sc[2]) {
-    int32_t word;
-    memcpy(&word, s4, 4);
-    const __m128i b = _mm_cvtsi32_si128(word);
+// e4m3 scale bytes to fp32 times 2^-8 (see decode8): the low 8 bytes of b, one fp32 lane each.
+static inline __m256 e4m3_scales8(__m128i b) {
     const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), b), 1), _mm_set1_epi16((short)0xBFFF));
-    const __m256 v = _mm256_castps128_ps256(_mm_cvtph_ps(h));
-    sc[0] = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
-    sc[1] = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+    return _mm256_cvtph_ps(h);
 }
 
-// One activation row, nvfp4 with K a multiple of 64: the products of each half vector's group are
-// summed per chunk, then times the group scales (exact e2m1 x x products, one fp32 multiply per
-// group sum instead of one per weight vector). Returns the sum times 2^-8.
+// The four e4m3 scales s0..s3 of a 64-value nvfp4 chunk (lanes o..o+3 of v) as the two scale
+// vectors of decode4's halves: sc[0] = [s0 x4, s2 x4], sc[1] = [s1 x4, s3 x4].
+static inline void fp4_chunk_scales(__m256 v, int o, __m256 sc[2]) {
+    sc[0] = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(o, o, o, o, o + 2, o + 2, o + 2, o + 2));
+    sc[1] = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(o + 1, o + 1, o + 1, o + 1, o + 3, o + 3, o + 3, o + 3));
+}
+
+// One nvfp4 chunk's products with x, summed per half vector's group in two chains, then times the
+// group scales into tot0 / tot1 (exact e2m1 x x products, one fp32 multiply per group sum instead of
+// one per weight vector).
+static inline void fp4_chunk_m1(const uint8_t* w, const float* xc, const __m256 sc[2], const Tables& t, __m256& tot0,
+                                __m256& tot1) {
+    __m256 d[8];
+    decode4(_mm256_loadu_si256((const __m256i*)w), t.fp4_lo, t.fp4_hi, d);
+    __m256 h0 = _mm256_mul_ps(d[0], _mm256_loadu_ps(xc)), h1 = _mm256_mul_ps(d[2], _mm256_loadu_ps(xc + 16));
+    h0 = _mm256_fmadd_ps(d[1], _mm256_loadu_ps(xc + 8), h0);
+    h1 = _mm256_fmadd_ps(d[3], _mm256_loadu_ps(xc + 24), h1);
+    h0 = _mm256_fmadd_ps(d[4], _mm256_loadu_ps(xc + 32), h0);
+    h1 = _mm256_fmadd_ps(d[6], _mm256_loadu_ps(xc + 48), h1);
+    h0 = _mm256_fmadd_ps(d[5], _mm256_loadu_ps(xc + 40), h0);
+    h1 = _mm256_fmadd_ps(d[7], _mm256_loadu_ps(xc + 56), h1);
+    tot0 = _mm256_fmadd_ps(h0, sc[0], tot0);
+    tot1 = _mm256_fmadd_ps(h1, sc[1], tot1);
+}
+
+// One activation row, nvfp4 with K a multiple of 64, two chunks per step (one scale conversion for
+// both: 4 -> 2 chains per chunk and this took the 2-core Xeon's AVX2 GEMV from 14-15 to 16-17 GB/s).
+// Returns the sum times 2^-8.
 static inline float gemv_row_fp4_m1(const LlkArgs& a, const uint8_t* wrow, const uint8_t* srow, const float* x,
                                     const Tables& t) {
     const int64_t nchunk = a.K / 64;
-    __m256 tot0 = _mm256_setzero_ps(), tot1 = _mm256_setzero_ps();
-    for (int64_t c = 0; c < nchunk; c++) {
-        __m256 d[8], sc[2];
-        decode4(_mm256_loadu_si256((const __m256i*)(wrow + 32 * c)), t.fp4_lo, t.fp4_hi, d);
-        fp4_chunk_scales(srow + 4 * c, sc);
-        const float* xc = x + 64 * c;
-        __m256 h0a = _mm256_mul_ps(d[0], _mm256_loadu_ps(xc)), h0b = _mm256_mul_ps(d[1], _mm256_loadu_ps(xc + 8));
-        __m256 h1a = _mm256_mul_ps(d[2], _mm256_loadu_ps(xc + 16)), h1b = _mm256_mul_ps(d[3], _mm256_loadu_ps(xc + 24));
-        h0a = _mm256_fmadd_ps(d[4], _mm256_loadu_ps(xc + 32), h0a);
-        h0b = _mm256_fmadd_ps(d[5], _mm256_loadu_ps(xc + 40), h0b);
-        h1a = _mm256_fmadd_ps(d[6], _mm256_loadu_ps(xc + 48), h1a);
-        h1b = _mm256_fmadd_ps(d[7], _mm256_loadu_ps(xc + 56), h1b);
-        tot0 = _mm256_fmadd_ps(_mm256_add_ps(h0a, h0b), sc[0], tot0);
-        tot1 = _mm256_fmadd_ps(_mm256_add_ps(h1a, h1b), sc[1], tot1);
+    __m256 tot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t c = 0;
+    for (; c + 2 <= nchunk; c += 2) {
+        __m256 sc[4];
+        _mm_prefetch((const char*)(wrow + 32 * c + kRowAhead), _MM_HINT_T0);
+        if ((c & 15) == 0) _mm_prefetch((const char*)(srow + 4 * c + kRowAhead / 8), _MM_HINT_T0);
+        const __m256 v = e4m3_scales8(_mm_loadl_epi64((const __m128i*)(srow + 4 * c)));
+        fp4_chunk_scales(v, 0, sc);
+        fp4_chunk_scales(v, 4, sc + 2);
+        fp4_chunk_m1(wrow + 32 * c, x + 64 * c, sc, t, tot[0], tot[1]);
+        fp4_chunk_m1(wrow + 32 * c + 32, x + 64 * c + 64, sc + 2, t, tot[2], tot[3]);
     }
-    return hsum(_mm256_add_ps(tot0, tot1));
+    if (c < nchunk) {
+        __m256 sc[2];
+        int32_t word;
+        memcpy(&word, srow + 4 * c, 4);
+        fp4_chunk_scales(e4m3_scales8(_mm_cvtsi32_si128(word)), 0, sc);
+        fp4_chunk_m1(wrow + 32 * c, x + 64 * c, sc, t, tot[0], tot[1]);
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(tot[0], tot[1]), _mm256_add_ps(tot[2], tot[3])));
 }
 
 template <int WF, int SF, int MR>
@@ -267,6 +292,7 @@ static inline void gemv_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int
     if (WF == W_FP8) {
         for (int64_t c = 0; c < nchunk; c++) {
             __m256 d[4];
+            if ((c & 1) == 0) _mm_prefetch((const char*)(wrow + 32 * c + kRowAhead), _MM_HINT_T0);
             decode8(load_chunk(wrow + 32 * c, row_bytes - 32 * c), d);
             for (int j = 0; j < 4; j++)
                 for (int m = 0; m < MR; m++)
@@ -277,6 +303,7 @@ static inline void gemv_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int
         const int64_t ngroups = a.K / a.gs;
         for (int64_t c = 0; c < nchunk; c++) {
             __m256 sc[2];
+            if ((c & 1) == 0) _mm_prefetch((const char*)(wrow + 32 * c + kRowAhead), _MM_HINT_T0);
             const __m256i v = load_chunk(wrow + 32 * c, row_bytes - 32 * c);
             chunk_scales<SF>(srow, c, a.gs, ngroups, t, sc);
             for (int s = 0; s < 2; s++) {  // half a chunk at a time: fewer live registers with many rows

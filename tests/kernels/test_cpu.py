@@ -368,6 +368,17 @@ def test_nvfp4_k_not_a_multiple_of_32(isa):
                 check_linear(x, w, EXACT)
 
 
+def test_nvfp4_odd_count_of_64_value_chunks(isa):
+    """The batch-1 nvfp4 GEMV takes two 64-value chunks per step: a row of 3 or 5 chunks ends with
+    one alone."""
+    for k in (192, 320):
+        for act in (False, True):
+            w = nvfp4_weight(24, k, act=act, seed=k)
+            for m in (1, 2):
+                check_linear(torch.randn(m, k), w, EXACT)
+                check_linear(torch.randn(m, k, dtype=torch.bfloat16), w, EXACT)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_activations_keep_fp32_numerics(fmt, lib_isa):
     """bf16 activations (decode in a bf16 model) through the GEMV the path picks for them
