@@ -672,15 +672,19 @@ def _run_int8(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict]
         xf = x.float().contiguous()
         args = _args(form, xf, None, out, starts, ends, form3)
         _check(library("avx2").llk_gemv_q8(ctypes.byref(args)), "llk_gemv_q8")
-    large = [i for i in range(e1) if counts[i] > limit]
-    if large:
+    large = [c if c > limit else 0 for c in counts]
+    if any(large):
+        # one call for every expert with many rows (quantization is per row, so all at once)
         plain = dict(form, act=None)
         plain3 = dict(form3, act=None) if form3 is not None else None
-        for i in large:
-            rows = slice(off[i], off[i + 1])
-            xe = reference.fake_quantize_int8_activations(x[rows])
-            local = [0] * (i + 1) + [counts[i]] * (e1 - i)
-            out[rows] = _run(plain, xe, local, plain3)
+        local = [0]
+        for c in large:
+            local.append(local[-1] + c)
+        if local[-1] == t and off[0] == 0:  # every row: no gather
+            out[:] = _run(plain, reference.fake_quantize_int8_activations(x), local, plain3)
+        else:
+            rows = torch.cat([torch.arange(off[i], off[i + 1]) for i in range(e1) if large[i]])
+            out[rows] = _run(plain, reference.fake_quantize_int8_activations(x[rows]), local, plain3)
     return out
 
 
