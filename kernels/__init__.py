@@ -4,7 +4,8 @@
 
 Weights are ``kernels.formats`` containers (``Int4Weight``, ``Fp8Weight``, ``W4A8Weight``,
 ``NVFP4Weight``) or plain tensors. ``kernels.reference`` defines the numerics; ``kernels.cpu`` and
-``kernels.triton_kernels`` are the fast paths, chosen by ``kernels.dispatch``. ``decode_attention``
+``kernels.triton_kernels`` are the fast paths, chosen by ``kernels.dispatch``; ``kernels.entry``
+holds the public calls (custom operators of ``kernels.ops`` while ``torch.compile`` traces). ``decode_attention``
 (``kernels.attention``) is a decode step's attention over a KV cache; ``rmsnorm`` (``kernels.norm``)
 an RMSNorm of bf16 rows in one call; ``moe_one_token`` (``kernels.moe``) a MoE layer for one token in one call,
 ``OneTokenAttention`` (``kernels.attention_layer``) an attention layer's decode step for one token in one call.
@@ -12,7 +13,8 @@ an RMSNorm of bf16 rows in one call; ``moe_one_token`` (``kernels.moe``) a MoE l
 
 from .attention import decode_attention, decode_step
 from .attention_layer import OneTokenAttention
-from .dispatch import BACKENDS, get_backend, grouped_linear, grouped_swiglu, linear, prepare, set_backend, swiglu
+from .dispatch import BACKENDS, get_backend, set_backend
+from .entry import grouped_linear, grouped_swiglu, linear, prepare, swiglu
 from .moe import moe_one_token
 from .norm import rmsnorm
 from .formats import (

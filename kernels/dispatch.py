@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from . import cpu, ops, reference
+from . import cpu, reference
 from .formats import format_name
 
 log = logging.getLogger("llama_lite.kernels")
@@ -113,7 +113,6 @@ def prepare(w, device: Optional[torch.device | str] = None) -> None:
     """
     if isinstance(w, torch.Tensor):
         return
-    ops.register(w)
     data = getattr(w, "qweight", None)
     if data is None:
         data = w.weight
@@ -129,8 +128,6 @@ def prepare(w, device: Optional[torch.device | str] = None) -> None:
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., N] in x.dtype, for any weight format (or a plain tensor)."""
-    if torch.compiler.is_compiling():  # an opaque operator in the graph (kernels.ops)
-        return ops.linear(x, w)
     module, path = _choose(x, w)
     _note("linear", w, path)
     return module.linear(x, w)
@@ -138,8 +135,6 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
 
 def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w) -> torch.Tensor:
     """Rows offsets[e]:offsets[e+1] of x [T, K] times expert e of w [E, N, K] -> [T, N]."""
-    if torch.compiler.is_compiling():  # an opaque operator in the graph (kernels.ops)
-        return ops.grouped_linear(x, offsets, w)
     module, path = _choose(x, w)
     _note("grouped_linear", w, path)
     return module.grouped_linear(x, offsets, w)
@@ -147,8 +142,6 @@ def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w) -> torch.Tensor:
 
 def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1, w3, w2) -> torch.Tensor:
     """Per expert: (silu(x W1.T) * (x W3.T)) W2.T on its rows -> [T, D]."""
-    if torch.compiler.is_compiling():  # an opaque operator in the graph (kernels.ops)
-        return ops.grouped_swiglu(x, offsets, w1, w3, w2)
     module, path = _choose(x, w1)
     _note("grouped_swiglu", w1, path)
     return module.grouped_swiglu(x, offsets, w1, w3, w2)
@@ -156,8 +149,6 @@ def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w1, w3, w2) -> torch.
 
 def swiglu(x: torch.Tensor, w1, w3, w2) -> torch.Tensor:
     """Dense SwiGLU FFN (shared expert): (silu(x W1.T) * (x W3.T)) W2.T -> [..., D]."""
-    if torch.compiler.is_compiling():  # an opaque operator in the graph (kernels.ops)
-        return ops.swiglu(x, w1, w3, w2)
     module, path = _choose(x, w1)
     _note("swiglu", w1, path)
     return module.swiglu(x, w1, w3, w2)

@@ -5,11 +5,8 @@ take a weight as the tensors of its container plus a short spec string (the form
 scalar fields, e.g. ``Int4Weight|group_size=128|qweight,scales``): no Python object enters a
 graph. Each op runs ``kernels.dispatch``'s function on the container those tensors belong to,
 so every backend (reference, CPU paths, Triton) and every prepared form is the one eager code
-uses. Fake (meta) implementations give the output shapes for tracing.
-
-``kernels.linear`` & co. call these ops while ``torch.compile`` traces (``torch.compiler.is_compiling``)
-and the eager functions directly otherwise: the same computation, without the operator
-dispatcher's few microseconds per call at eager decode.
+uses. Fake (meta) implementations give the output shapes for tracing. ``kernels.entry`` calls
+them while ``torch.compile`` traces.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from . import formats
+from . import dispatch, formats
 from .formats import Fp8Weight, Int4Weight, NVFP4Weight, W4A8Weight
 
 _KINDS = {cls.__name__: cls for cls in (Int4Weight, Fp8Weight, W4A8Weight, NVFP4Weight)}
@@ -92,9 +89,7 @@ def _n(tensors: list[torch.Tensor]) -> int:
 
 @torch.library.custom_op("llama_lite_kernels::linear", mutates_args=())
 def linear_op(x: torch.Tensor, w: list[torch.Tensor], spec: str) -> torch.Tensor:
-    from .dispatch import linear
-
-    return linear(x, _weight(w, spec))
+    return dispatch.linear(x, _weight(w, spec))
 
 
 @linear_op.register_fake
@@ -104,9 +99,7 @@ def _(x, w, spec):
 
 @torch.library.custom_op("llama_lite_kernels::grouped_linear", mutates_args=())
 def grouped_linear_op(x: torch.Tensor, offsets: torch.Tensor, w: list[torch.Tensor], spec: str) -> torch.Tensor:
-    from .dispatch import grouped_linear
-
-    return grouped_linear(x, offsets, _weight(w, spec))
+    return dispatch.grouped_linear(x, offsets, _weight(w, spec))
 
 
 @grouped_linear_op.register_fake
@@ -117,9 +110,7 @@ def _(x, offsets, w, spec):
 @torch.library.custom_op("llama_lite_kernels::grouped_swiglu", mutates_args=())
 def grouped_swiglu_op(x: torch.Tensor, offsets: torch.Tensor, w1: list[torch.Tensor], w3: list[torch.Tensor],
                       w2: list[torch.Tensor], spec1: str, spec3: str, spec2: str) -> torch.Tensor:
-    from .dispatch import grouped_swiglu
-
-    return grouped_swiglu(x, offsets, _weight(w1, spec1), _weight(w3, spec3), _weight(w2, spec2))
+    return dispatch.grouped_swiglu(x, offsets, _weight(w1, spec1), _weight(w3, spec3), _weight(w2, spec2))
 
 
 @grouped_swiglu_op.register_fake
@@ -130,9 +121,7 @@ def _(x, offsets, w1, w3, w2, spec1, spec3, spec2):
 @torch.library.custom_op("llama_lite_kernels::swiglu", mutates_args=())
 def swiglu_op(x: torch.Tensor, w1: list[torch.Tensor], w3: list[torch.Tensor], w2: list[torch.Tensor],
               spec1: str, spec3: str, spec2: str) -> torch.Tensor:
-    from .dispatch import swiglu
-
-    return swiglu(x, _weight(w1, spec1), _weight(w3, spec3), _weight(w2, spec2))
+    return dispatch.swiglu(x, _weight(w1, spec1), _weight(w3, spec3), _weight(w2, spec2))
 
 
 @swiglu_op.register_fake
@@ -140,7 +129,7 @@ def _(x, w1, w3, w2, spec1, spec3, spec2):
     return x.new_empty(*x.shape[:-1], _n(w2))
 
 
-# ---- callers (what dispatch's public functions use while compiling)
+# ---- callers (what kernels.entry's functions use while compiling)
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
