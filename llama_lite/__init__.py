@@ -5,7 +5,8 @@ from .chat_format import ChatFormat, RawMediaItem, RawMessage, RawTextItem, Tool
 from .checkpoint import Checkpoint
 from .conversation import Conversation
 from .errors import CheckpointError, ConfigError, LlamaLiteError, PromptError, TokenizerError
-from .generation import GenerationResult, Llama4
+from .generation import Llama4
+from .result import GenerationResult
 from .model import Transformer
 from .tokenizer import Tokenizer
 

@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Union
 
 from .chat_format import RawMessage
 from .errors import PromptError
-from .generation import GenerationResult
+from .result import GenerationResult
 
 
 class Conversation:

@@ -3,7 +3,6 @@
 import os
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -17,20 +16,10 @@ from .errors import CheckpointError, ConfigError, PromptError
 from .kv_cache import parse_kv_cache_dtype
 from .memory import available_bytes, check_fits, processes_sharing, stored_bytes
 from .model import Transformer
+from .result import GenerationResult
 from .tokenizer import Tokenizer, default_tokenizer_path
 
 Loader = Callable[[Transformer, Checkpoint], Transformer]
-
-
-@dataclass
-class GenerationResult:
-    token: int
-    text: str
-    source: str  # "input" (echoed prompt) or "output"
-    batch_idx: int
-    finished: bool
-    ignore_token: bool  # True for rows that already finished
-    logprobs: Optional[list[float]] = None
 
 
 def resolve_device(device=None) -> torch.device:
