@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from scripts.common import FlagError
+from scripts.machine_load import OtherLoad, wait_for_quiet
 
 # llama.cpp's formats, each with the llama-lite mode it is compared with.
 FORMATS = ("bf16", "Q8_0", "Q4_0")
@@ -336,7 +337,6 @@ def exit_reason(returncode: int) -> str:
 
 def run_bench(tools: Tools, fmt: str, gguf: Path, spec: dict, extra: list[str]) -> dict:
     """One format through llama-bench; an error row when it fails."""
-    from scripts.benchmark import OtherLoad, wait_for_quiet
 
     cmd = bench_command(tools, gguf, spec["threads"], spec["prefill_len"], spec["decode_tokens"], spec["llama_cpp_runs"],
                         extra)
