@@ -29,8 +29,11 @@ gets ~50, so bf16 layers (attention, output, mode none) use the libraries' bf16 
 
 int4 weights with ``int8_activations`` (an explicit option, kernels/formats.py): a few rows per
 expert through the AVX2 library's integer GEMV (``llk_gemv_q8``, on every x86 path), which
-quantizes the activations per 32 values exactly as the reference does; more rows multiply the
-reference's dequantized int8 activations (exact fp32 values) through the paths above.
+quantizes the activations per 32 values exactly as the reference does; more rows on ``amx``
+through ``llk_amx_q8``: the same quantization, int4 weights widened to int8 tiles and multiplied
+with TDPBSSD, each 32-value block's exact int32 sum read out and scaled in fp32 (the GEMV's
+numerics); elsewhere more rows multiply the reference's dequantized int8 activations (exact fp32
+values) through the paths above.
 
 Numerics, on every path (vs kernels/reference.py): products are exact or rounded once in fp32
 (q * s as the reference, or exact weight values times the activations) and sums are fp32, so
@@ -103,11 +106,13 @@ GEMV_MAX_ROWS = {
     "avx2": {W_INT4: 64, W_FP4: 64, W_FP8: 64},
 }
 # Rows of one expert up to which int4 with int8 activations takes the integer GEMV (the AVX2
-# library's on every path): amx multiplies more rows with AMX tiles; avx512's path for more rows
-# is fp32 tiles of the dequantized activations (not exact in bf16), so it keeps the GEMV as long
-# as avx2 does. On 2 Zen 4 cores, a 16-expert SwiGLU MoE layer (D 1024, F 2048) at 512 rows, 32
-# per expert, two processes each: with avx512's 12 rows 0.26-0.30x of bf16's speed, with 64 0.63x.
-INT8_GEMV_MAX_ROWS = {"amx": GEMV_MAX_ROWS["amx"][W_INT4], "avx512": 64, "avx2": GEMV_MAX_ROWS["avx2"][W_INT4]}
+# library's on every path): amx multiplies more rows with AMX int8 tiles (llk_amx_q8; on the AMX
+# Xeon, the [131072, 5120] stack, each in its own process: 3 rows 19.3 ms by the GEMV against
+# 25.9 by tiles, 4 rows 27.5 against 26.4); avx512's path for more rows is fp32 tiles of the
+# dequantized activations (not exact in bf16), so it keeps the GEMV as long as avx2 does. On 2
+# Zen 4 cores, a 16-expert SwiGLU MoE layer (D 1024, F 2048) at 512 rows, 32 per expert, two
+# processes each: with avx512's 12 rows 0.26-0.30x of bf16's speed, with 64 0.63x.
+INT8_GEMV_MAX_ROWS = {"amx": 3, "avx512": 64, "avx2": GEMV_MAX_ROWS["avx2"][W_INT4]}
 # How each path's GEMV multiplies activations that are exact in bf16 (few rows per expert; bf16
 # activations, or fp8 / nvfp4-quantized ones): "fp32" decodes weights to fp32 in registers for
 # fp32 FMAs (llk_gemv), "bf16" decodes them to bf16 (exact for every format) for vdpbf16ps with
@@ -297,6 +302,9 @@ def describe(w: Weight) -> str:
     big = {"amx": "AMX fused dequant-GEMM",
            "avx512": "bf16-dot dequant-GEMM (llk_dpgemm) for activations exact in bf16, else fp32 weight tiles + PyTorch fp32 GEMM",
            }.get(path, "fp32 weight tiles + PyTorch fp32 GEMM")  # fmt: skip
+    if form["act"] == "int8":
+        big = "AMX int8 tiles (llk_amx_q8)" if path == "amx" else f"the int8 activations in fp32 through the {big}"
+        return f"cpu/{path}: int4 x int8 integer GEMV up to {rows} rows per expert, {big} above"
     dot = gemv_dot(path, form["wfmt"])
     gemv = "fp32-FMA" if dot == "fp32" else "bf16-dot (vdpbf16ps; fp32 FMA for fp32 activations)"
     return f"cpu/{path}: {gemv} fused dequant-GEMV up to {rows} rows per expert, {big} above"
@@ -659,8 +667,9 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
 def _run_int8(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict]) -> torch.Tensor:
     """``_run`` for int4 weights with int8 activations: experts with few rows through the AVX2
     library's integer GEMV (llk_gemv_q8, on every x86 path: AVX-512 CPUs run it too), which
-    quantizes the activations itself; experts with many rows multiply the reference's dequantized
-    int8 activations (exact in fp32) through the path for unquantized activations."""
+    quantizes the activations itself; experts with many rows through AMX int8 tiles on amx
+    (llk_amx_q8, which quantizes them the same way), elsewhere the reference's dequantized int8
+    activations (exact in fp32) through the path for unquantized activations."""
     e1, t = form["e"], x.shape[0]
     counts = [b - a for a, b in zip(off, off[1:])]
     limit = gemv_max_rows(form)
@@ -673,7 +682,15 @@ def _run_int8(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict]
         args = _args(form, xf, None, out, starts, ends, form3)
         _check(library("avx2").llk_gemv_q8(ctypes.byref(args)), "llk_gemv_q8")
     large = [c if c > limit else 0 for c in counts]
-    if any(large):
+    if any(large) and form["path"] == "amx":
+        # AMX integer tiles, the activations quantized in the library as the GEMV does it
+        starts, ends = _rows_array(off[:-1]), _rows_array(off[1:])
+        xf = x.float().contiguous()  # kept alive: the argument block holds only its address
+        args = _args(form, xf, None, out, starts, ends, form3)
+        for i in range(e1):
+            if large[i]:
+                _check(library("avx512").llk_amx_q8(ctypes.byref(args), i), "llk_amx_q8")
+    elif any(large):
         # one call for every expert with many rows (quantization is per row, so all at once)
         plain = dict(form, act=None)
         plain3 = dict(form3, act=None) if form3 is not None else None

@@ -562,6 +562,13 @@ struct TileConfig {
 
 static bool g_amx_ok = false;
 
+// ldtilecfg of `cfg`. The barrier keeps the stores that fill it: GCC 12 with -mamx-int8 treated
+// them as dead and loaded a configuration of palette 1 with no tiles (tile instructions then #UD).
+static inline void tile_loadconfig(const TileConfig* cfg) {
+    __asm__ __volatile__("" : : "r"(cfg) : "memory");
+    _tile_loadconfig(cfg);
+}
+
 // Per-thread scratch buffer `slot`, at least `bytes` long, 64-byte aligned, reused across calls.
 static void* scratch(int slot, size_t bytes) {
     struct Buf {
@@ -587,7 +594,7 @@ static void amx_thread_init() {
         cfg.colsb[i] = 64;
         cfg.rows[i] = 16;
     }
-    _tile_loadconfig(&cfg);
+    tile_loadconfig(&cfg);
 }
 
 // Transpose a 16 x 16 matrix of 32-bit elements held in r[0..15] (rows) in place.
@@ -796,6 +803,179 @@ static void amx_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp)
             };
             if (dp) both(std::integral_constant<bool, WF == W_INT4>{});
             else both(std::false_type{});
+            tile_out(a, e, n0, rows, acc1, acc3, mpad);
+        }
+        _tile_release();
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// int4 weights times int8 activations on AMX (TDPBSSD; the explicit int8-activation option)
+//
+// Activations are quantized per 32 values along K as kernels/reference.py does it (the same fp32
+// operations as the AVX2 library's q8_quantize, so the same int8 values): s = amax / 127,
+// a = round_half_even(x / s), 0 where s = 0. Each 32-value block thus has a scale of its own per
+// row, so a tile product covers one block: C (16 weight rows x 16 activation rows, int32) =
+// A (16 weight rows x 32 int8: the int4 values) times B (8 rows of 4-value quads x 16 activation
+// rows), an exact integer sum, read out after every block into fp32:
+// acc[n][m] += float(C[n][m]) * (s_x[m, block] * s_w[n, group]).
+// Tile order: per 16 weight bytes (32 values) the low nibbles (K even) then the high ones (K odd);
+// the activations are quantized in K order and written to B in that order.
+
+static const int kQ8BlockChunks = 8;  // 32-value chunks per decoded block: 32 rows x 256 int8
+static const int kQ8Ahead = 256;      // prefetch distance along each weight row (bytes)
+
+static void amx_q8_thread_init() {
+    alignas(64) TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = i == 4 || i == 5 ? 32 : 64;  // 0-3 C (16 x 16 int32), 4-5 A, 6-7 B
+        cfg.rows[i] = i >= 6 ? 8 : 16;
+    }
+    tile_loadconfig(&cfg);
+}
+
+// One 32-value block of fp32 activations -> row m of a B tile (8 quads x 16 rows x 4 int8, tile
+// order) and its scale.
+static inline void q8_pack_block(const float* xb, int8_t* tile, float* scale, int m) {
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float sc = amax / 127.0f;
+    alignas(16) int8_t q[32];
+    if (sc > 0.0f) {
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        const __m512 s = _mm512_set1_ps(sc), lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
+        auto quant = [&](__m512 v) {
+            __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(nlim, r))));
+        };
+        _mm_store_si128((__m128i*)q, quant(_mm512_permutex2var_ps(x0, even, x1)));
+        _mm_store_si128((__m128i*)(q + 16), quant(_mm512_permutex2var_ps(x0, odd, x1)));
+    } else {
+        memset(q, 0, sizeof q);
+    }
+    for (int i = 0; i < 8; i++) memcpy(tile + 64 * i + 4 * m, q + 4 * i, 4);
+    *scale = sc;
+}
+
+// acc[nn][m] (32 x mpad fp32) = weight rows [n0, n0 + 32) of expert e times the activation tiles
+// bq / their scales sx (mt tiles of 16 rows, [mt][K / 32] each), group scales included. K is
+// walked in blocks of kQ8BlockChunks chunks, decoded to int8 into `buf` ([chunk][32 rows][32]),
+// then, per activation tile and half of the weight rows, each group's run of chunks is multiplied
+// two chunks at a time (two accumulator tiles, so neither waits on the other's read-out), each
+// read out into 16 fp32 registers: sum over the group's blocks of C * s_x, then times s_w into acc.
+template <int SF>
+static void amx_q8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n0, const int8_t* bq, const float* sx,
+                        int64_t mt, float* acc, int64_t mpad, int8_t* buf, int32_t* tmp, const Tables& t) {
+    const int64_t nkb = a.K / 32, cpg = a.gs / 32;  // both even (groups of a multiple of 64 values)
+    const uint8_t* wrows[kAmxTileN];
+    const void* srows[kAmxTileN];
+    tile_row_pointers<SF>(a, w, e, n0, wrows, srows);
+    memset(acc, 0, sizeof(float) * kAmxTileN * mpad);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), x88 = _mm512_set1_epi8((char)0x88), e8 = _mm512_set1_epi8(8);
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c0 = 0; c0 < nkb; c0 += kQ8BlockChunks) {
+        const int64_t c1 = std::min(nkb, c0 + kQ8BlockChunks);
+        for (int r = 0; r < kAmxTileN; r++) {
+            _mm_prefetch((const char*)wrows[r] + 16 * c0 + kQ8Ahead, _MM_HINT_T0);
+            _mm_prefetch((const char*)wrows[r] + 16 * c0 + kQ8Ahead + 64, _MM_HINT_T0);
+            for (int64_t c = c0; c < c1; c += 4) {  // 64 bytes: chunks c .. c + 3 (c .. c + 1 at the end)
+                const __mmask64 mk = c + 4 <= c1 ? ~0ULL : 0xFFFFFFFFULL;
+                // nibble u = q + 8 after the xor; q = u - 8. lo / hi: the even / odd K of each chunk
+                const __m512i v = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, wrows[r] + 16 * c), x88);
+                const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, m4), e8);
+                const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), e8);
+                int8_t* o = buf + ((c - c0) * kAmxTileN + r) * 32;
+                const __m512i p01 = _mm512_permutex2var_epi64(lo, first, hi);  // chunk c, chunk c + 1
+                _mm256_store_si256((__m256i*)o, _mm512_castsi512_si256(p01));
+                _mm256_store_si256((__m256i*)(o + kAmxTileN * 32), _mm512_extracti64x4_epi64(p01, 1));
+                if (c + 4 <= c1) {
+                    const __m512i p23 = _mm512_permutex2var_epi64(lo, second, hi);
+                    _mm256_store_si256((__m256i*)(o + 2 * kAmxTileN * 32), _mm512_castsi512_si256(p23));
+                    _mm256_store_si256((__m256i*)(o + 3 * kAmxTileN * 32), _mm512_extracti64x4_epi64(p23, 1));
+                }
+            }
+        }
+        for (int64_t tt = 0; tt < mt; tt++) {
+            const int8_t* bt = bq + tt * nkb * 512;
+            const float* st = sx + tt * nkb * 16;
+            for (int h = 0; h < 2; h++) {
+                const int8_t* ah = buf + 16 * h * 32;
+                for (int64_t g0 = c0; g0 < c1;) {  // the chunks of one group in this block
+                    const int64_t g = g0 / cpg, g1 = std::min(c1, (g + 1) * cpg);
+                    __m512 ag[16];
+#pragma GCC unroll 16
+                    for (int r = 0; r < 16; r++) ag[r] = _mm512_setzero_ps();
+                    for (int64_t c = g0; c < g1; c += 2) {
+                        _tile_loadd(4, ah + (c - c0) * kAmxTileN * 32, 32);
+                        _tile_loadd(6, bt + c * 512, 64);
+                        _tile_loadd(5, ah + (c + 1 - c0) * kAmxTileN * 32, 32);
+                        _tile_loadd(7, bt + (c + 1) * 512, 64);
+                        _tile_dpbssd(0, 4, 6);
+                        _tile_dpbssd(1, 5, 7);
+                        _tile_stored(0, tmp, 64);
+                        _tile_stored(1, tmp + 256, 64);
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        const __m512 s0 = _mm512_loadu_ps(st + c * 16), s1 = _mm512_loadu_ps(st + (c + 1) * 16);
+#pragma GCC unroll 16
+                        for (int r = 0; r < 16; r++) {
+                            ag[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(tmp + 16 * r)), s0, ag[r]);
+                            ag[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(tmp + 256 + 16 * r)), s1, ag[r]);
+                        }
+                    }
+#pragma GCC unroll 16
+                    for (int r = 0; r < 16; r++) {
+                        float* dst = acc + (16 * h + r) * mpad + 16 * tt;
+                        const __m512 sw = _mm512_set1_ps(scale_at<SF>(srows[16 * h + r], g, t));
+                        _mm512_storeu_ps(dst, _mm512_fmadd_ps(ag[r], sw, _mm512_loadu_ps(dst)));
+                    }
+                    g0 = g1;
+                }
+            }
+        }
+    }
+}
+
+template <int SF>
+static void amx_q8_impl(const LlkArgs& a, int64_t e, int8_t* bq, float* sx) {
+    const Tables& t = tables();
+    const int64_t rows = a.row_end[e] - a.row_start[e];
+    const int64_t mt = (rows + 15) / 16, mpad = mt * 16, nkb = a.K / 32;
+    const int64_t n_items = (a.N + kAmxTileN - 1) / kAmxTileN;
+    const bool swiglu = a.w3.w != nullptr;
+    const int nt = (int)std::min<int64_t>(n_items, threads_for(a.N * (a.K / 2) * (swiglu ? 2 : 1) * (1 + mt), a.nthreads));
+    const float* x = (const float*)a.x + a.row_start[e] * a.ldx;
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < mt * nkb; i++) {  // quantize the rows into B tiles (zero past the rows)
+            const int64_t tt = i / nkb, kb = i % nkb;
+            int8_t* tile = bq + i * 512;
+            for (int m = 0; m < 16; m++) {
+                const int64_t r = 16 * tt + m;
+                if (r < rows) {
+                    q8_pack_block(x + r * a.ldx + 32 * kb, tile, sx + i * 16 + m, m);
+                } else {
+                    for (int j = 0; j < 8; j++) memset(tile + 64 * j + 4 * m, 0, 4);
+                    sx[i * 16 + m] = 0.0f;
+                }
+            }
+        }
+        amx_q8_thread_init();
+        int8_t* wbuf = (int8_t*)scratch(0, kQ8BlockChunks * kAmxTileN * 32);
+        float* acc1 = (float*)scratch(1, kAmxTileN * mpad * 4);
+        float* acc3 = swiglu ? (float*)scratch(2, kAmxTileN * mpad * 4) : nullptr;
+        alignas(64) int32_t tmp[1024];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++) {
+            const int64_t n0 = i * kAmxTileN;
+            amx_q8_rows<SF>(a, a.w1, e, n0, bq, sx, mt, acc1, mpad, wbuf, tmp, t);
+            if (swiglu) amx_q8_rows<SF>(a, a.w3, e, n0, bq, sx, mt, acc3, mpad, wbuf, tmp, t);
             tile_out(a, e, n0, rows, acc1, acc3, mpad);
         }
         _tile_release();
@@ -1141,6 +1321,21 @@ int llk_amx(const LlkArgs* a, int64_t e, int64_t kp) {
     uint32_t* b = (uint32_t*)scratch(3, ((rows + 15) / 16) * 16 * (kp / 2) * 4);
     pack_b((const uint16_t*)a->x + a->row_start[e] * a->ldx, a->ldx, rows, kp, b);
     LLK_DISPATCH(amx_impl, *a, e, b, kp);
+    return 0;
+}
+
+// int4 weights (groups of a multiple of 64 values) times int8 activations, rows of expert e with
+// AMX: x is fp32 in K order, quantized here per 32 values (see amx_q8_rows).
+int llk_amx_q8(const LlkArgs* a, int64_t e) {
+    if (!supported(a) || !g_amx_ok || a->wfmt != W_INT4 || a->gs % 64 || (a->sfmt != S_BF16 && a->sfmt != S_F32))
+        return -1;
+    const int64_t rows = a->row_end[e] - a->row_start[e];
+    if (rows <= 0) return 0;
+    const int64_t tiles = (rows + 15) / 16 * (a->K / 32);
+    int8_t* bq = (int8_t*)scratch(3, tiles * (512 + 64));
+    float* sx = (float*)(bq + tiles * 512);
+    if (a->sfmt == S_BF16) amx_q8_impl<S_BF16>(*a, e, bq, sx);
+    else amx_q8_impl<S_F32>(*a, e, bq, sx);
     return 0;
 }
 

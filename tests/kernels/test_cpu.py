@@ -469,3 +469,36 @@ def test_bf16_linear_matches_fp32_product(m, k, isa):
     xl = torch.randn(70, k).to(torch.bfloat16)
     ref = (xl.float() @ w.float().T).to(torch.bfloat16)
     assert_close(cpu.linear(xl, w), ref, xl.float().abs() @ w.float().abs().T, EXACT)
+
+
+@pytest.mark.parametrize("k, gs", [(448, 64), (1536, 512), (640, 128)])
+def test_int8_activations_on_amx_tiles(k, gs):
+    """int4 x int8 with more rows than the integer GEMV takes, on AMX int8 tiles (llk_amx_q8): K
+    with an odd number of 64-value chunks (the decoder's half-width tail), groups longer than its
+    decoded block, 1 to 5 tiles of 16 rows, empty experts and the fused SwiGLU, against the
+    reference in fp32; the logged path names the tiles."""
+    if "amx" not in ISAS:
+        pytest.skip("no AMX on this CPU")
+    cpu.set_isa("amx")
+    try:
+        w = dataclasses.replace(int4_weight(72, k, gs=gs, lead=(3,), seed=k), int8_activations=True)
+        w3 = dataclasses.replace(int4_weight(72, k, gs=gs, lead=(3,), seed=k + 1), int8_activations=True)
+        assert "AMX int8 tiles" in cpu.describe(w)
+        limit = cpu.INT8_GEMV_MAX_ROWS["amx"]
+        form, form3 = cpu._form(w), cpu._form(w3)
+        for counts in ([limit + 1, 0, 17], [70, 5, 0], [0, 33, limit + 2]):
+            off = [0, counts[0], counts[0] + counts[1], sum(counts)]
+            x = torch.randn(off[-1], k, generator=torch.Generator().manual_seed(sum(counts))) * 3
+            ref = R.grouped_linear(x, torch.tensor(off), w)
+            absdot = torch.zeros_like(ref)
+            for e in (e for e in range(3) if off[e + 1] > off[e]):
+                we = select_expert(w, e)
+                absdot[off[e] : off[e + 1]] = effective_x(x[off[e] : off[e + 1]], we).abs() @ dequantize_weight(we).abs().T
+            assert_close(cpu._run(form, x, off), ref, absdot, EXACT)
+            # SwiGLU: silu of W1's products times W3's, within the fp32 bound of the reference's
+            ref3 = R.grouped_linear(x, torch.tensor(off), w3)
+            want = torch.nn.functional.silu(ref) * ref3
+            got = cpu._run(form, x, off, form3)
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    finally:
+        cpu.set_isa(None)
