@@ -917,6 +917,8 @@ static void amx_q8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t
     const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
     _tile_zero(0);
     _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
     for (int64_t c0 = 0; c0 < nkb; c0 += kQ8BlockChunks) {
         const int64_t c1 = std::min(nkb, c0 + kQ8BlockChunks);
         for (int r = 0; r < kAmxTileN; r++) {
@@ -954,17 +956,27 @@ static void amx_q8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t
                         _tile_loadd(6, bt + c * 512, 64);
                         _tile_loadd(5, ah + (c + 1 - c0) * kAmxTileN * 32, 32);
                         _tile_loadd(7, bt + (c + 1) * 512, 64);
-                        _tile_dpbssd(0, 4, 6);
-                        _tile_dpbssd(1, 5, 7);
-                        _tile_stored(0, tmp, 64);
-                        _tile_stored(1, tmp + 256, 64);
-                        _tile_zero(0);
-                        _tile_zero(1);
+                        if (c % 4 == 0) {  // accumulator pairs alternate: no wait on the last read-out
+                            _tile_dpbssd(0, 4, 6);
+                            _tile_dpbssd(1, 5, 7);
+                            _tile_stored(0, tmp, 64);
+                            _tile_stored(1, tmp + 256, 64);
+                            _tile_zero(0);
+                            _tile_zero(1);
+                        } else {
+                            _tile_dpbssd(2, 4, 6);
+                            _tile_dpbssd(3, 5, 7);
+                            _tile_stored(2, tmp + 512, 64);
+                            _tile_stored(3, tmp + 768, 64);
+                            _tile_zero(2);
+                            _tile_zero(3);
+                        }
                         const __m512 s0 = _mm512_loadu_ps(st + c * 16), s1 = _mm512_loadu_ps(st + (c + 1) * 16);
+                        const int32_t* rd = tmp + (c % 4 == 0 ? 0 : 512);
 #pragma GCC unroll 16
                         for (int r = 0; r < 16; r++) {
-                            ag[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(tmp + 16 * r)), s0, ag[r]);
-                            ag[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(tmp + 256 + 16 * r)), s1, ag[r]);
+                            ag[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(rd + 16 * r)), s0, ag[r]);
+                            ag[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(rd + 256 + 16 * r)), s1, ag[r]);
                         }
                     }
 #pragma GCC unroll 16
@@ -1366,15 +1378,15 @@ int llk_amx(const LlkArgs* a, int64_t e, int64_t kp) {
 // int4 weights (groups of a multiple of 64 values) times int8 activations, rows of expert e with
 // AMX: x is fp32 in K order, quantized here per 32 values (see amx_q8_rows).
 int llk_amx_q8(const LlkArgs* a, int64_t e) {
-    if (!supported(a) || !g_amx_ok || a->wfmt != W_INT4 || a->gs % 64 || (a->sfmt != S_BF16 && a->sfmt != S_F32))
-        return -1;
+    if (!supported(a) || !g_amx_ok || a->wfmt != W_INT4 || a->gs % 64) return -1;
     const int64_t rows = a->row_end[e] - a->row_start[e];
     if (rows <= 0) return 0;
     const int64_t tiles = (rows + 15) / 16 * (a->K / 32);
     int8_t* bq = (int8_t*)scratch(3, tiles * (512 + 64));
     float* sx = (float*)(bq + tiles * 512);
     if (a->sfmt == S_BF16) amx_q8_impl<S_BF16>(*a, e, bq, sx);
-    else amx_q8_impl<S_F32>(*a, e, bq, sx);
+    else if (a->sfmt == S_F32) amx_q8_impl<S_F32>(*a, e, bq, sx);
+    else amx_q8_impl<S_E4M3>(*a, e, bq, sx);
     return 0;
 }
 

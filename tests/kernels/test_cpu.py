@@ -471,18 +471,22 @@ def test_bf16_linear_matches_fp32_product(m, k, isa):
     assert_close(cpu.linear(xl, w), ref, xl.float().abs() @ w.float().abs().T, EXACT)
 
 
-@pytest.mark.parametrize("k, gs", [(448, 64), (1536, 512), (640, 128)])
-def test_int8_activations_on_amx_tiles(k, gs):
+@pytest.mark.parametrize("k, gs, sdt", [(448, 64, torch.float32), (1536, 512, torch.bfloat16),
+                                        (640, 128, torch.float8_e4m3fn)])
+def test_int8_activations_on_amx_tiles(k, gs, sdt):
     """int4 x int8 with more rows than the integer GEMV takes, on AMX int8 tiles (llk_amx_q8): K
     with an odd number of 64-value chunks (the decoder's half-width tail), groups longer than its
-    decoded block, 1 to 5 tiles of 16 rows, empty experts and the fused SwiGLU, against the
-    reference in fp32; the logged path names the tiles."""
+    decoded block, every scale format the GEMV takes, 1 to 5 tiles of 16 rows, empty experts and
+    the fused SwiGLU, against the reference in fp32; the logged path names the tiles."""
     if "amx" not in ISAS:
         pytest.skip("no AMX on this CPU")
     cpu.set_isa("amx")
     try:
-        w = dataclasses.replace(int4_weight(72, k, gs=gs, lead=(3,), seed=k), int8_activations=True)
-        w3 = dataclasses.replace(int4_weight(72, k, gs=gs, lead=(3,), seed=k + 1), int8_activations=True)
+        def weight(seed):
+            return dataclasses.replace(int4_weight(72, k, gs=gs, lead=(3,), scale_dtype=sdt, seed=seed),
+                                       int8_activations=True)
+
+        w, w3 = weight(k), weight(k + 1)
         assert "AMX int8 tiles" in cpu.describe(w)
         limit = cpu.INT8_GEMV_MAX_ROWS["amx"]
         form, form3 = cpu._form(w), cpu._form(w3)
