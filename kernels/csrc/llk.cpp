@@ -663,6 +663,40 @@ static inline void tile_out(const LlkArgs& a, int64_t e, int64_t n0, int64_t row
     }
 }
 
+// The tile paths' work split: items of kAmxTileN weight rows of expert e, handed out one at a time
+// to nt threads, each with its scratch kept across calls (a fresh large allocation would page-fault
+// every call): slot 0, `buf_bytes`, for the decoded weights; 1 and 2 the fp32 accumulators of W1
+// and W3 (32 x mpad). rows_fn(w, n0, acc, buf, tmp) fills acc for one weight's 32 rows from n0;
+// tile_out writes the item. `config` (AMX): each thread loads its tile configuration first and
+// releases the tiles at the end. Threads: as many as the weight bytes (`row_bytes` a row) times
+// the activation tiles are worth. `prologue` runs in the parallel region first (an omp for in it
+// shares its work out, its barrier ends it): one fork and join per call, not two.
+template <class Rows, class Prologue>
+static void tile_items(const LlkArgs& a, int64_t e, int64_t row_bytes, size_t buf_bytes, void (*config)(), Rows rows_fn,
+                       Prologue prologue) {
+    const int64_t rows = a.row_end[e] - a.row_start[e], mt = (rows + 15) / 16, mpad = mt * 16;
+    const int64_t n_items = (a.N + kAmxTileN - 1) / kAmxTileN;
+    const bool swiglu = a.w3.w != nullptr;
+    const int nt = (int)std::min<int64_t>(n_items, threads_for(a.N * row_bytes * (swiglu ? 2 : 1) * (1 + mt), a.nthreads));
+#pragma omp parallel num_threads(nt)
+    {
+        prologue();
+        if (config) config();
+        void* buf = scratch(0, buf_bytes);
+        float* acc1 = (float*)scratch(1, kAmxTileN * mpad * 4);
+        float* acc3 = swiglu ? (float*)scratch(2, kAmxTileN * mpad * 4) : nullptr;
+        alignas(64) float tmp[1024];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++) {
+            const int64_t n0 = i * kAmxTileN;
+            rows_fn(a.w1, n0, acc1, buf, tmp);
+            if (swiglu) rows_fn(a.w3, n0, acc3, buf, tmp);
+            tile_out(a, e, n0, rows, acc1, acc3, mpad);
+        }
+        if (config) _tile_release();
+    }
+}
+
 // Activations [rows, ldx] bf16 (tile order) -> VNNI tiles [mt][kc][16 pairs][16 rows] of 32 bits.
 static void pack_b(const uint16_t* x, int64_t ldx, int64_t rows, int64_t kp, uint32_t* b) {
     const int64_t mt = (rows + 15) / 16, kc = kp / 32;
@@ -816,36 +850,17 @@ static void amx_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp)
     const Tables& t = tables();
     const int64_t rows = a.row_end[e] - a.row_start[e];
     const int64_t mt = (rows + 15) / 16, mpad = mt * 16;
-    const int64_t n_items = (a.N + kAmxTileN - 1) / kAmxTileN;
-    const bool swiglu = a.w3.w != nullptr;
     // int4's bf16 / fp32 group scales do not fold exactly into bf16 weights: flush per group.
     // w4a8 (int4 x e4m3: <= 7 significant bits) and nvfp4 (e2m1 x e4m3: <= 6) fold exactly.
     constexpr bool FOLD = WF == W_FP4 || (WF == W_INT4 && SF == S_E4M3);
     constexpr bool FLUSH = WF == W_INT4 && !FOLD;
     const bool dp = WF == W_INT4 && a.gs % 128 == 0;  // x in "dp" order (cpu.py _amx_order)
-    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
-    const int nt = (int)std::min<int64_t>(n_items, threads_for(a.N * row_bytes * (swiglu ? 2 : 1) * (1 + mt), a.nthreads));
-#pragma omp parallel num_threads(nt)
-    {
-        amx_thread_init();
-        // per-thread scratch kept across calls (fresh large allocations would page-fault each call)
-        uint16_t* wbuf = (uint16_t*)scratch(0, 2 * kAmxBlockSteps * 4096 * 2);  // decode double buffer
-        float* acc1 = (float*)scratch(1, kAmxTileN * mpad * 4);
-        float* acc3 = swiglu ? (float*)scratch(2, kAmxTileN * mpad * 4) : nullptr;
-        alignas(64) float tmp[1024];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_items; i++) {
-            const int64_t n0 = i * kAmxTileN;
-            auto both = [&](auto D) {  // W1 (and W3) of the tile, with the decoder D says
-                amx_rows<WF, SF, FLUSH, FOLD, D.value>(a, a.w1, e, n0, kp, b, mt, acc1, mpad, wbuf, tmp, t);
-                if (swiglu) amx_rows<WF, SF, FLUSH, FOLD, D.value>(a, a.w3, e, n0, kp, b, mt, acc3, mpad, wbuf, tmp, t);
-            };
-            if (dp) both(std::integral_constant<bool, WF == W_INT4>{});
-            else both(std::false_type{});
-            tile_out(a, e, n0, rows, acc1, acc3, mpad);
-        }
-        _tile_release();
-    }
+    tile_items(a, e, WF == W_FP8 ? a.K : a.K / 2, 2 * kAmxBlockSteps * 4096 * 2, amx_thread_init,
+               [&](const LlkWeight& w, int64_t n0, float* acc, void* buf, float* tmp) {
+                   if (dp) amx_rows<WF, SF, FLUSH, FOLD, WF == W_INT4>(a, w, e, n0, kp, b, mt, acc, mpad, (uint16_t*)buf, tmp, t);
+                   else amx_rows<WF, SF, FLUSH, FOLD, false>(a, w, e, n0, kp, b, mt, acc, mpad, (uint16_t*)buf, tmp, t);
+               },
+               [] {});
 }
 
 // ------------------------------------------------------------------------------------------
@@ -897,6 +912,27 @@ static inline void q8_pack_block(const float* xb, int8_t* tile, float* scale, in
     }
     for (int i = 0; i < 8; i++) memcpy(tile + 64 * i + 4 * m, q + 4 * i, 4);
     *scale = sc;
+}
+
+// fp32 rows x [rows, K] (K order, row stride ldx) -> B tiles bq [mt][K / 32][8][16][4] and scales
+// sx [mt][K / 32][16], zero past the rows. Called inside a parallel region: its omp for shares the
+// blocks out among the threads, and its barrier ends it.
+static void q8_pack_rows(const float* x, int64_t ldx, int64_t rows, int64_t K, int8_t* bq, float* sx) {
+    const int64_t nkb = K / 32, mt = (rows + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < mt * nkb; i++) {
+        const int64_t tt = i / nkb, kb = i % nkb;
+        int8_t* tile = bq + i * 512;
+        for (int m = 0; m < 16; m++) {
+            const int64_t r = 16 * tt + m;
+            if (r < rows) {
+                q8_pack_block(x + r * ldx + 32 * kb, tile, sx + i * 16 + m, m);
+            } else {
+                for (int j = 0; j < 8; j++) memset(tile + 64 * j + 4 * m, 0, 4);
+                sx[i * 16 + m] = 0.0f;
+            }
+        }
+    }
 }
 
 // acc[nn][m] (32 x mpad fp32) = weight rows [n0, n0 + 32) of expert e times the activation tiles
@@ -996,41 +1032,13 @@ template <int SF>
 static void amx_q8_impl(const LlkArgs& a, int64_t e, int8_t* bq, float* sx) {
     const Tables& t = tables();
     const int64_t rows = a.row_end[e] - a.row_start[e];
-    const int64_t mt = (rows + 15) / 16, mpad = mt * 16, nkb = a.K / 32;
-    const int64_t n_items = (a.N + kAmxTileN - 1) / kAmxTileN;
-    const bool swiglu = a.w3.w != nullptr;
-    const int nt = (int)std::min<int64_t>(n_items, threads_for(a.N * (a.K / 2) * (swiglu ? 2 : 1) * (1 + mt), a.nthreads));
+    const int64_t mt = (rows + 15) / 16, mpad = mt * 16;
     const float* x = (const float*)a.x + a.row_start[e] * a.ldx;
-#pragma omp parallel num_threads(nt)
-    {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < mt * nkb; i++) {  // quantize the rows into B tiles (zero past the rows)
-            const int64_t tt = i / nkb, kb = i % nkb;
-            int8_t* tile = bq + i * 512;
-            for (int m = 0; m < 16; m++) {
-                const int64_t r = 16 * tt + m;
-                if (r < rows) {
-                    q8_pack_block(x + r * a.ldx + 32 * kb, tile, sx + i * 16 + m, m);
-                } else {
-                    for (int j = 0; j < 8; j++) memset(tile + 64 * j + 4 * m, 0, 4);
-                    sx[i * 16 + m] = 0.0f;
-                }
-            }
-        }
-        amx_q8_thread_init();
-        int8_t* wbuf = (int8_t*)scratch(0, kQ8BlockChunks * kAmxTileN * 32);
-        float* acc1 = (float*)scratch(1, kAmxTileN * mpad * 4);
-        float* acc3 = swiglu ? (float*)scratch(2, kAmxTileN * mpad * 4) : nullptr;
-        alignas(64) int32_t tmp[1024];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_items; i++) {
-            const int64_t n0 = i * kAmxTileN;
-            amx_q8_rows<SF>(a, a.w1, e, n0, bq, sx, mt, acc1, mpad, wbuf, tmp, t);
-            if (swiglu) amx_q8_rows<SF>(a, a.w3, e, n0, bq, sx, mt, acc3, mpad, wbuf, tmp, t);
-            tile_out(a, e, n0, rows, acc1, acc3, mpad);
-        }
-        _tile_release();
-    }
+    tile_items(a, e, a.K / 2, kQ8BlockChunks * kAmxTileN * 32, amx_q8_thread_init,
+               [&](const LlkWeight& w, int64_t n0, float* acc, void* buf, float* tmp) {
+                   amx_q8_rows<SF>(a, w, e, n0, bq, sx, mt, acc, mpad, (int8_t*)buf, (int32_t*)tmp, t);
+               },
+               [&] { q8_pack_rows(x, a.ldx, rows, a.K, bq, sx); });
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1113,31 +1121,14 @@ static void dpg_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp)
     const Tables& t = tables();
     const int64_t rows = a.row_end[e] - a.row_start[e];
     const int64_t mt = (rows + 15) / 16, mpad = mt * 16;
-    const int64_t n_items = (a.N + kAmxTileN - 1) / kAmxTileN;
-    const bool swiglu = a.w3.w != nullptr;
     constexpr bool FOLD = WF == W_FP4 || (WF == W_INT4 && SF == S_E4M3);  // as amx_impl
     constexpr bool FLUSH = WF == W_INT4 && !FOLD;
     const bool dp = WF == W_INT4 && a.gs % 128 == 0;  // x in "dp" order (cpu.py _amx_order)
-    const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
     const int64_t steps = (kp / 32 + 3) / 4;
-    const int nt = (int)std::min<int64_t>(n_items, threads_for(a.N * row_bytes * (swiglu ? 2 : 1) * (1 + mt), a.nthreads));
-#pragma omp parallel num_threads(nt)
-    {
-        uint16_t* wdec = (uint16_t*)scratch(0, steps * 4096 * 2);
-        float* acc1 = (float*)scratch(1, kAmxTileN * mpad * 4);
-        float* acc3 = swiglu ? (float*)scratch(2, kAmxTileN * mpad * 4) : nullptr;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_items; i++) {
-            const int64_t n0 = i * kAmxTileN;
-            auto both = [&](auto D) {
-                dpg_rows<WF, SF, FLUSH, FOLD, D.value>(a, a.w1, e, n0, kp, b, mt, acc1, mpad, wdec, t);
-                if (swiglu) dpg_rows<WF, SF, FLUSH, FOLD, D.value>(a, a.w3, e, n0, kp, b, mt, acc3, mpad, wdec, t);
-            };
-            if (dp) both(std::integral_constant<bool, WF == W_INT4>{});
-            else both(std::false_type{});
-            tile_out(a, e, n0, rows, acc1, acc3, mpad);
-        }
-    }
+    tile_items(a, e, WF == W_FP8 ? a.K : a.K / 2, steps * 4096 * 2, nullptr, [&](const LlkWeight& w, int64_t n0, float* acc, void* buf, float*) {
+        if (dp) dpg_rows<WF, SF, FLUSH, FOLD, WF == W_INT4>(a, w, e, n0, kp, b, mt, acc, mpad, (uint16_t*)buf, t);
+        else dpg_rows<WF, SF, FLUSH, FOLD, false>(a, w, e, n0, kp, b, mt, acc, mpad, (uint16_t*)buf, t);
+    }, [] {});
 }
 
 // ------------------------------------------------------------------------------------------
