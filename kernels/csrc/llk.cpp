@@ -546,8 +546,9 @@ struct TileConfig {
 
 static bool g_amx_ok = false;
 
-// ldtilecfg of `cfg`. The barrier keeps the stores that fill it: GCC 12 with -mamx-int8 treated
-// them as dead and loaded a configuration of palette 1 with no tiles (tile instructions then #UD).
+// ldtilecfg of `cfg`. The barrier keeps the stores that fill it: GCC 12 does not count the
+// instruction's read of memory, and where the function that fills `cfg` was not inlined it dropped
+// them as dead, loading a palette-1 configuration without tiles (tile instructions then #UD).
 static inline void tile_loadconfig(const TileConfig* cfg) {
     __asm__ __volatile__("" : : "r"(cfg) : "memory");
     _tile_loadconfig(cfg);
