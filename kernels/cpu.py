@@ -32,8 +32,9 @@ expert through the AVX2 library's integer GEMV (``llk_gemv_q8``, on every x86 pa
 quantizes the activations per 32 values exactly as the reference does; more rows on ``amx``
 through ``llk_amx_q8``: the same quantization, int4 weights widened to int8 tiles and multiplied
 with TDPBSSD, each 32-value block's exact int32 sum read out and scaled in fp32 (the GEMV's
-numerics); elsewhere more rows multiply the reference's dequantized int8 activations (exact fp32
-values) through the paths above.
+numerics); on ``avx512`` through ``llk_dpq8``, the same with vpdpbusd in zmm registers; on
+``avx2`` more rows multiply the reference's dequantized int8 activations (exact fp32 values)
+through the paths above.
 
 Numerics, on every path (vs kernels/reference.py): products are exact or rounded once in fp32
 (q * s as the reference, or exact weight values times the activations) and sums are fp32, so
@@ -108,11 +109,14 @@ GEMV_MAX_ROWS = {
 # Rows of one expert up to which int4 with int8 activations takes the integer GEMV (the AVX2
 # library's on every path): amx multiplies more rows with AMX int8 tiles (llk_amx_q8; on the AMX
 # Xeon, the [131072, 5120] stack, each in its own process: 3 rows 19.3 ms by the GEMV against
-# 25.9 by tiles, 4 rows 27.5 against 26.4); avx512's path for more rows is fp32 tiles of the
-# dequantized activations (not exact in bf16), so it keeps the GEMV as long as avx2 does. On 2
-# Zen 4 cores, a 16-expert SwiGLU MoE layer (D 1024, F 2048) at 512 rows, 32 per expert, two
-# processes each: with avx512's 12 rows 0.26-0.30x of bf16's speed, with 64 0.63x.
-INT8_GEMV_MAX_ROWS = {"amx": 3, "avx512": 64, "avx2": GEMV_MAX_ROWS["avx2"][W_INT4]}
+# 25.9 by tiles, 4 rows 27.5 against 26.4); avx512 multiplies more rows with VNNI in registers
+# (llk_dpq8), measured so far only on the AMX Xeon under the avx512 cap (each in its own process):
+# the stack at 4 rows 25 ms by the GEMV against 33, at 8 rows 45 against 34-37, at 16 96 against
+# 37; a 16-expert SwiGLU layer (D 1024, F 2048) at 512 rows, 32 per expert, 37-39 against 9.1-9.3.
+# The GEMV keeps up to 8 rows there, as on Zen 4 (2 cores) it ran a batch-1 int4 GEMV at 97% of a
+# streaming read and batch 8 at 1.10x bf16; the fp32 tiles that took more rows before gave 0.26-0.30x
+# of bf16's speed on the 512-row layer with the GEMV up to 12 rows, 0.63x with it up to 64.
+INT8_GEMV_MAX_ROWS = {"amx": 3, "avx512": 8, "avx2": GEMV_MAX_ROWS["avx2"][W_INT4]}
 # How each path's GEMV multiplies activations that are exact in bf16 (few rows per expert; bf16
 # activations, or fp8 / nvfp4-quantized ones): "fp32" decodes weights to fp32 in registers for
 # fp32 FMAs (llk_gemv), "bf16" decodes them to bf16 (exact for every format) for vdpbf16ps with
@@ -303,7 +307,8 @@ def describe(w: Weight) -> str:
            "avx512": "bf16-dot dequant-GEMM (llk_dpgemm) for activations exact in bf16, else fp32 weight tiles + PyTorch fp32 GEMM",
            }.get(path, "fp32 weight tiles + PyTorch fp32 GEMM")  # fmt: skip
     if form["act"] == "int8":
-        big = "AMX int8 tiles (llk_amx_q8)" if path == "amx" else f"the int8 activations in fp32 through the {big}"
+        big = {"amx": "AMX int8 tiles (llk_amx_q8)", "avx512": "AVX-512 VNNI in registers (llk_dpq8)"}.get(
+            path, f"the int8 activations in fp32 through the {big}")
         return f"cpu/{path}: int4 x int8 integer GEMV up to {rows} rows per expert, {big} above"
     dot = gemv_dot(path, form["wfmt"])
     gemv = "fp32-FMA" if dot == "fp32" else "bf16-dot (vdpbf16ps; fp32 FMA for fp32 activations)"
@@ -668,8 +673,9 @@ def _run_int8(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict]
     """``_run`` for int4 weights with int8 activations: experts with few rows through the AVX2
     library's integer GEMV (llk_gemv_q8, on every x86 path: AVX-512 CPUs run it too), which
     quantizes the activations itself; experts with many rows through AMX int8 tiles on amx
-    (llk_amx_q8, which quantizes them the same way), elsewhere the reference's dequantized int8
-    activations (exact in fp32) through the path for unquantized activations."""
+    (llk_amx_q8, which quantizes them the same way) or VNNI in registers on avx512 (llk_dpq8), on
+    avx2 the reference's dequantized int8 activations (exact in fp32) through the path for
+    unquantized activations."""
     e1, t = form["e"], x.shape[0]
     counts = [b - a for a, b in zip(off, off[1:])]
     limit = gemv_max_rows(form)
@@ -682,14 +688,17 @@ def _run_int8(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict]
         args = _args(form, xf, None, out, starts, ends, form3)
         _check(library("avx2").llk_gemv_q8(ctypes.byref(args)), "llk_gemv_q8")
     large = [c if c > limit else 0 for c in counts]
-    if any(large) and form["path"] == "amx":
-        # AMX integer tiles, the activations quantized in the library as the GEMV does it
+    if any(large) and form["path"] in ("amx", "avx512"):
+        # integer products in the library (AMX tiles, or AVX-512 VNNI in registers), the
+        # activations quantized there as the GEMV does it
+        name = "llk_amx_q8" if form["path"] == "amx" else "llk_dpq8"
+        gemm = getattr(library("avx512"), name)
         starts, ends = _rows_array(off[:-1]), _rows_array(off[1:])
         xf = x.float().contiguous()  # kept alive: the argument block holds only its address
         args = _args(form, xf, None, out, starts, ends, form3)
         for i in range(e1):
             if large[i]:
-                _check(library("avx512").llk_amx_q8(ctypes.byref(args), i), "llk_amx_q8")
+                _check(gemm(ctypes.byref(args), i), name)
     elif any(large):
         # one call for every expert with many rows (quantization is per row, so all at once)
         plain = dict(form, act=None)

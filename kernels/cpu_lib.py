@@ -36,8 +36,8 @@ _LIBS = {  # library -> (source, compiler flags, CPU flags it needs)
     "avx512": (
         _CSRC / "llk.cpp",
         ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi", "-mfma", "-mf16c",
-         "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi", "f16c", "fma"),
+         "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi", "avx512_vnni", "f16c", "fma"),
     ),
     "avx2": (_CSRC / "llk_avx2.cpp", ["-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
 }  # fmt: skip
@@ -164,6 +164,7 @@ def _declare(lib: ctypes.CDLL, kind: str) -> None:
     own = {
         "avx512": [("llk_amx_init", [], ctypes.c_int), ("llk_amx", [args, i64, i64], ctypes.c_int),
                    ("llk_dpgemm", [args, i64, i64], ctypes.c_int), ("llk_amx_q8", [args, i64], ctypes.c_int),
+                   ("llk_dpq8", [args, i64], ctypes.c_int),
                    ("llk_gemv_dp", [args], ctypes.c_int),
                    ("llk_gemv_dp_bf16io", [args, vp, i64, i64, vp, i64, vp, i64], ctypes.c_int)],
         "avx2": [("llk_gemv_order", [ctypes.c_int, vp], ctypes.c_int), ("llk_gemv_q8", [args], ctypes.c_int),

@@ -893,7 +893,7 @@ static void amx_q8_thread_init() {
 
 // One 32-value block of fp32 activations -> row m of a B tile (8 quads x 16 rows x 4 int8, tile
 // order) and its scale.
-static inline void q8_pack_block(const float* xb, int8_t* tile, float* scale, int m) {
+static inline void q8_pack_block(const float* xb, int8_t* tile, float* scale, int32_t* sum8, int m) {
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
     const float sc = amax / 127.0f;
@@ -911,14 +911,18 @@ static inline void q8_pack_block(const float* xb, int8_t* tile, float* scale, in
     } else {
         memset(q, 0, sizeof q);
     }
+    int32_t sum = 0;
+    for (int i = 0; i < 32; i++) sum += q[i];
     for (int i = 0; i < 8; i++) memcpy(tile + 64 * i + 4 * m, q + 4 * i, 4);
     *scale = sc;
+    *sum8 = 8 * sum;
 }
 
-// fp32 rows x [rows, K] (K order, row stride ldx) -> B tiles bq [mt][K / 32][8][16][4] and scales
-// sx [mt][K / 32][16], zero past the rows. Called inside a parallel region: its omp for shares the
-// blocks out among the threads, and its barrier ends it.
-static void q8_pack_rows(const float* x, int64_t ldx, int64_t rows, int64_t K, int8_t* bq, float* sx) {
+// fp32 rows x [rows, K] (K order, row stride ldx) -> B tiles bq [mt][K / 32][8][16][4], scales
+// sx [mt][K / 32][16] and 8 * the sum of each block's values cs (same layout), zero past the rows.
+// Called inside a parallel region: its omp for shares the blocks out among the threads, and its
+// barrier ends it.
+static void q8_pack_rows(const float* x, int64_t ldx, int64_t rows, int64_t K, int8_t* bq, float* sx, int32_t* cs) {
     const int64_t nkb = K / 32, mt = (rows + 15) / 16;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < mt * nkb; i++) {
@@ -927,10 +931,11 @@ static void q8_pack_rows(const float* x, int64_t ldx, int64_t rows, int64_t K, i
         for (int m = 0; m < 16; m++) {
             const int64_t r = 16 * tt + m;
             if (r < rows) {
-                q8_pack_block(x + r * ldx + 32 * kb, tile, sx + i * 16 + m, m);
+                q8_pack_block(x + r * ldx + 32 * kb, tile, sx + i * 16 + m, cs + i * 16 + m, m);
             } else {
                 for (int j = 0; j < 8; j++) memset(tile + 64 * j + 4 * m, 0, 4);
                 sx[i * 16 + m] = 0.0f;
+                cs[i * 16 + m] = 0;
             }
         }
     }
@@ -1030,7 +1035,7 @@ static void amx_q8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t
 }
 
 template <int SF>
-static void amx_q8_impl(const LlkArgs& a, int64_t e, int8_t* bq, float* sx) {
+static void amx_q8_impl(const LlkArgs& a, int64_t e, int8_t* bq, float* sx, int32_t* cs) {
     const Tables& t = tables();
     const int64_t rows = a.row_end[e] - a.row_start[e];
     const int64_t mt = (rows + 15) / 16, mpad = mt * 16;
@@ -1039,7 +1044,106 @@ static void amx_q8_impl(const LlkArgs& a, int64_t e, int8_t* bq, float* sx) {
                [&](const LlkWeight& w, int64_t n0, float* acc, void* buf, float* tmp) {
                    amx_q8_rows<SF>(a, w, e, n0, bq, sx, mt, acc, mpad, (int8_t*)buf, (int32_t*)tmp, t);
                },
-               [&] { q8_pack_rows(x, a.ldx, rows, a.K, bq, sx); });
+               [&] { q8_pack_rows(x, a.ldx, rows, a.K, bq, sx, cs); });
+}
+
+// acc[nn][m] (32 x mpad fp32) = weight rows [n0, n0 + 32) of expert e times the int8 activations
+// (bq / sx / cs of q8_pack_rows; mt tiles of 16 rows) without AMX: vpdpbusd in zmm registers
+// (AVX-512 VNNI). It multiplies unsigned bytes by signed ones, so the weights enter as their
+// nibbles u = q + 8 and each 32-value block's sum is sum(u a) - 8 sum(a), exact in int32, scaled
+// as llk_amx_q8 scales it: sum over the group's blocks of sum * s_x, then times s_w. Register
+// blocks of 4 weight rows x V tiles of 16 activation rows (each weight quad broadcast).
+template <int SF, int V>
+static inline void dpq8_block(const uint8_t* buf, int64_t c0, int64_t g0, int64_t g1, int64_t nkb, int64_t t0, int r0,
+                              const int8_t* bq, const float* sx, const int32_t* cs, const float sw[4], float* acc,
+                              int64_t mpad) {
+    __m512 f[4][V];
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < V; v++) f[r][v] = _mm512_setzero_ps();
+    for (int64_t c = g0; c < g1; c++) {
+        const int32_t* wq = (const int32_t*)(buf + ((c - c0) * kAmxTileN + r0) * 32);  // row r: wq + 8 r
+        __m512i d[4][V];
+        for (int r = 0; r < 4; r++)
+            for (int v = 0; v < V; v++) d[r][v] = _mm512_setzero_si512();
+        for (int i = 0; i < 8; i++) {
+            __m512i xv[V];
+            for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_si512(bq + ((t0 + v) * nkb + c) * 512 + 64 * i);
+            for (int r = 0; r < 4; r++) {
+                const __m512i wb = _mm512_set1_epi32(wq[8 * r + i]);
+                for (int v = 0; v < V; v++) d[r][v] = _mm512_dpbusd_epi32(d[r][v], wb, xv[v]);
+            }
+        }
+        for (int v = 0; v < V; v++) {
+            const int64_t blk = ((t0 + v) * nkb + c) * 16;
+            const __m512 sc = _mm512_loadu_ps(sx + blk);
+            const __m512i k = _mm512_loadu_si512(cs + blk);
+            for (int r = 0; r < 4; r++)
+                f[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d[r][v], k)), sc, f[r][v]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < V; v++) {
+            float* dst = acc + (r0 + r) * mpad + 16 * (t0 + v);
+            _mm512_storeu_ps(dst, _mm512_fmadd_ps(f[r][v], _mm512_set1_ps(sw[r]), _mm512_loadu_ps(dst)));
+        }
+}
+
+template <int SF>
+static void dpq8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n0, const int8_t* bq, const float* sx,
+                      const int32_t* cs, int64_t mt, float* acc, int64_t mpad, uint8_t* buf, const Tables& t) {
+    const int64_t nkb = a.K / 32, cpg = a.gs / 32;
+    const uint8_t* wrows[kAmxTileN];
+    const void* srows[kAmxTileN];
+    tile_row_pointers<SF>(a, w, e, n0, wrows, srows);
+    memset(acc, 0, sizeof(float) * kAmxTileN * mpad);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), x88 = _mm512_set1_epi8((char)0x88);
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int64_t c0 = 0; c0 < nkb; c0 += kQ8BlockChunks) {
+        const int64_t c1 = std::min(nkb, c0 + kQ8BlockChunks);
+        for (int r = 0; r < kAmxTileN; r++) {  // llk_amx_q8's decoder, without the - 8
+            _mm_prefetch((const char*)wrows[r] + 16 * c0 + kQ8Ahead, _MM_HINT_T0);
+            _mm_prefetch((const char*)wrows[r] + 16 * c0 + kQ8Ahead + 64, _MM_HINT_T0);
+            for (int64_t c = c0; c < c1; c += 4) {
+                const __mmask64 mk = c + 4 <= c1 ? ~0ULL : 0xFFFFFFFFULL;
+                const __m512i v = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, wrows[r] + 16 * c), x88);
+                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                uint8_t* o = buf + ((c - c0) * kAmxTileN + r) * 32;
+                const __m512i p01 = _mm512_permutex2var_epi64(lo, first, hi);
+                _mm256_store_si256((__m256i*)o, _mm512_castsi512_si256(p01));
+                _mm256_store_si256((__m256i*)(o + kAmxTileN * 32), _mm512_extracti64x4_epi64(p01, 1));
+                if (c + 4 <= c1) {
+                    const __m512i p23 = _mm512_permutex2var_epi64(lo, second, hi);
+                    _mm256_store_si256((__m256i*)(o + 2 * kAmxTileN * 32), _mm512_castsi512_si256(p23));
+                    _mm256_store_si256((__m256i*)(o + 3 * kAmxTileN * 32), _mm512_extracti64x4_epi64(p23, 1));
+                }
+            }
+        }
+        for (int64_t g0 = c0; g0 < c1;) {  // the chunks of one group in this block
+            const int64_t g = g0 / cpg, g1 = std::min(c1, (g + 1) * cpg);
+            for (int r0 = 0; r0 < kAmxTileN; r0 += 4) {
+                float sw[4];
+                for (int r = 0; r < 4; r++) sw[r] = scale_at<SF>(srows[r0 + r], g, t);
+                for (int64_t t0 = 0; t0 < mt; t0 += 2) {
+                    if (t0 + 1 < mt) dpq8_block<SF, 2>(buf, c0, g0, g1, nkb, t0, r0, bq, sx, cs, sw, acc, mpad);
+                    else dpq8_block<SF, 1>(buf, c0, g0, g1, nkb, t0, r0, bq, sx, cs, sw, acc, mpad);
+                }
+            }
+            g0 = g1;
+        }
+    }
+}
+
+template <int SF>
+static void dpq8_impl(const LlkArgs& a, int64_t e, int8_t* bq, float* sx, int32_t* cs) {
+    const Tables& t = tables();
+    const int64_t rows = a.row_end[e] - a.row_start[e];
+    const int64_t mt = (rows + 15) / 16, mpad = mt * 16;
+    const float* x = (const float*)a.x + a.row_start[e] * a.ldx;
+    tile_items(a, e, a.K / 2, kQ8BlockChunks * kAmxTileN * 32, nullptr,
+               [&](const LlkWeight& w, int64_t n0, float* acc, void* buf, float*) {
+                   dpq8_rows<SF>(a, w, e, n0, bq, sx, cs, mt, acc, mpad, (uint8_t*)buf, t);
+               },
+               [&] { q8_pack_rows(x, a.ldx, rows, a.K, bq, sx, cs); });
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1315,6 +1419,23 @@ static void dequant_call(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, ui
     }
 }
 
+// The int8-activation GEMMs' common entry: checks, the packed activations' buffer (the calling
+// thread's scratch), and the scale format as an integral constant for impl(S, bq, sx, cs).
+template <class Impl>
+static int q8_call(const LlkArgs* a, int64_t e, Impl impl) {
+    if (!supported(a) || a->wfmt != W_INT4 || a->gs % 64) return -1;
+    const int64_t rows = a->row_end[e] - a->row_start[e];
+    if (rows <= 0) return 0;
+    const int64_t blocks = (rows + 15) / 16 * (a->K / 32);
+    int8_t* bq = (int8_t*)scratch(3, blocks * (512 + 64 + 64));
+    float* sx = (float*)(bq + blocks * 512);
+    int32_t* cs = (int32_t*)(sx + blocks * 16);
+    if (a->sfmt == S_BF16) impl(std::integral_constant<int, S_BF16>{}, bq, sx, cs);
+    else if (a->sfmt == S_F32) impl(std::integral_constant<int, S_F32>{}, bq, sx, cs);
+    else impl(std::integral_constant<int, S_E4M3>{}, bq, sx, cs);
+    return 0;
+}
+
 extern "C" {
 
 int llk_abi_version() { return 5; }
@@ -1370,16 +1491,13 @@ int llk_amx(const LlkArgs* a, int64_t e, int64_t kp) {
 // int4 weights (groups of a multiple of 64 values) times int8 activations, rows of expert e with
 // AMX: x is fp32 in K order, quantized here per 32 values (see amx_q8_rows).
 int llk_amx_q8(const LlkArgs* a, int64_t e) {
-    if (!supported(a) || !g_amx_ok || a->wfmt != W_INT4 || a->gs % 64) return -1;
-    const int64_t rows = a->row_end[e] - a->row_start[e];
-    if (rows <= 0) return 0;
-    const int64_t tiles = (rows + 15) / 16 * (a->K / 32);
-    int8_t* bq = (int8_t*)scratch(3, tiles * (512 + 64));
-    float* sx = (float*)(bq + tiles * 512);
-    if (a->sfmt == S_BF16) amx_q8_impl<S_BF16>(*a, e, bq, sx);
-    else if (a->sfmt == S_F32) amx_q8_impl<S_F32>(*a, e, bq, sx);
-    else amx_q8_impl<S_E4M3>(*a, e, bq, sx);
-    return 0;
+    if (!g_amx_ok) return -1;
+    return q8_call(a, e, [&](auto S, int8_t* bq, float* sx, int32_t* cs) { amx_q8_impl<S.value>(*a, e, bq, sx, cs); });
+}
+
+// llk_amx_q8 without AMX: vpdpbusd in registers (AVX-512 VNNI), same arguments.
+int llk_dpq8(const LlkArgs* a, int64_t e) {
+    return q8_call(a, e, [&](auto S, int8_t* bq, float* sx, int32_t* cs) { dpq8_impl<S.value>(*a, e, bq, sx, cs); });
 }
 
 // llk_amx without AMX: vdpbf16ps in registers (AVX-512 BF16), same arguments and x order.

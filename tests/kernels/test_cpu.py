@@ -473,24 +473,26 @@ def test_bf16_linear_matches_fp32_product(m, k, isa):
 
 @pytest.mark.parametrize("k, gs, sdt", [(448, 64, torch.float32), (1536, 512, torch.bfloat16),
                                         (640, 128, torch.float8_e4m3fn)])
-def test_int8_activations_on_amx_tiles(k, gs, sdt):
-    """int4 x int8 with more rows than the integer GEMV takes, on AMX int8 tiles (llk_amx_q8): K
-    with an odd number of 64-value chunks (the decoder's half-width tail), groups longer than its
-    decoded block, every scale format the GEMV takes, 1 to 5 tiles of 16 rows, empty experts and
-    the fused SwiGLU, against the reference in fp32; the logged path names the tiles."""
-    if "amx" not in ISAS:
-        pytest.skip("no AMX on this CPU")
-    cpu.set_isa("amx")
+@pytest.mark.parametrize("cap", ["amx", "avx512"])
+def test_int8_activations_with_many_rows(cap, k, gs, sdt):
+    """int4 x int8 with more rows than the integer GEMV takes: AMX int8 tiles (llk_amx_q8) or
+    AVX-512 VNNI in registers (llk_dpq8). K with an odd number of 64-value chunks (the decoders'
+    half-width tail), groups longer than their decoded block, every scale format the GEMV takes, 1
+    to 5 tiles of 16 rows, empty experts and the fused SwiGLU, against the reference in fp32; the
+    logged path names the kernel."""
+    if cap not in ISAS:
+        pytest.skip(f"this CPU cannot run the {cap} path")
+    cpu.set_isa(cap)
     try:
         def weight(seed):
             return dataclasses.replace(int4_weight(72, k, gs=gs, lead=(3,), scale_dtype=sdt, seed=seed),
                                        int8_activations=True)
 
         w, w3 = weight(k), weight(k + 1)
-        assert "AMX int8 tiles" in cpu.describe(w)
-        limit = cpu.INT8_GEMV_MAX_ROWS["amx"]
+        assert ("llk_amx_q8" if cap == "amx" else "llk_dpq8") in cpu.describe(w)
+        limit = cpu.INT8_GEMV_MAX_ROWS[cap]
         form, form3 = cpu._form(w), cpu._form(w3)
-        for counts in ([limit + 1, 0, 17], [70, 5, 0], [0, 33, limit + 2]):
+        for counts in ([limit + 1, 0, 17], [max(70, limit + 6), 5, 0], [0, 33, limit + 2]):
             off = [0, counts[0], counts[0] + counts[1], sum(counts)]
             x = torch.randn(off[-1], k, generator=torch.Generator().manual_seed(sum(counts))) * 3
             ref = R.grouped_linear(x, torch.tensor(off), w)
