@@ -941,6 +941,35 @@ static void q8_pack_rows(const float* x, int64_t ldx, int64_t rows, int64_t K, i
     }
 }
 
+// Chunks [c0, c1) of the 32 weight rows (int4) -> buf [chunk][32 rows][32 bytes] in tile order (per
+// chunk the even K, then the odd K). SIGNED: the int4 values q (AMX's signed tiles), else the
+// unsigned nibbles q + 8 (vpdpbusd's unsigned operand). c1 - c0 is even (groups of 64k values).
+template <bool SIGNED>
+static inline void q8_decode_block(const uint8_t* const* wrows, int64_t c0, int64_t c1, uint8_t* buf) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), x88 = _mm512_set1_epi8((char)0x88), e8 = _mm512_set1_epi8(8);
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int r = 0; r < kAmxTileN; r++) {
+        _mm_prefetch((const char*)wrows[r] + 16 * c0 + kQ8Ahead, _MM_HINT_T0);
+        _mm_prefetch((const char*)wrows[r] + 16 * c0 + kQ8Ahead + 64, _MM_HINT_T0);
+        for (int64_t c = c0; c < c1; c += 4) {  // 64 bytes: chunks c .. c + 3 (c .. c + 1 at the end)
+            const __mmask64 mk = c + 4 <= c1 ? ~0ULL : 0xFFFFFFFFULL;
+            // nibble u = q + 8 after the xor; lo / hi: the even / odd K of each chunk
+            const __m512i v = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, wrows[r] + 16 * c), x88);
+            __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            if (SIGNED) lo = _mm512_sub_epi8(lo, e8), hi = _mm512_sub_epi8(hi, e8);
+            uint8_t* o = buf + ((c - c0) * kAmxTileN + r) * 32;
+            const __m512i p01 = _mm512_permutex2var_epi64(lo, first, hi);  // chunk c, chunk c + 1
+            _mm256_store_si256((__m256i*)o, _mm512_castsi512_si256(p01));
+            _mm256_store_si256((__m256i*)(o + kAmxTileN * 32), _mm512_extracti64x4_epi64(p01, 1));
+            if (c + 4 <= c1) {
+                const __m512i p23 = _mm512_permutex2var_epi64(lo, second, hi);
+                _mm256_store_si256((__m256i*)(o + 2 * kAmxTileN * 32), _mm512_castsi512_si256(p23));
+                _mm256_store_si256((__m256i*)(o + 3 * kAmxTileN * 32), _mm512_extracti64x4_epi64(p23, 1));
+            }
+        }
+    }
+}
+
 // acc[nn][m] (32 x mpad fp32) = weight rows [n0, n0 + 32) of expert e times the activation tiles
 // bq / their scales sx (mt tiles of 16 rows, [mt][K / 32] each), group scales included. K is
 // walked in blocks of kQ8BlockChunks chunks, decoded to int8 into `buf` ([chunk][32 rows][32]),
@@ -955,34 +984,13 @@ static void amx_q8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t
     const void* srows[kAmxTileN];
     tile_row_pointers<SF>(a, w, e, n0, wrows, srows);
     memset(acc, 0, sizeof(float) * kAmxTileN * mpad);
-    const __m512i m4 = _mm512_set1_epi8(0x0F), x88 = _mm512_set1_epi8((char)0x88), e8 = _mm512_set1_epi8(8);
-    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c0 = 0; c0 < nkb; c0 += kQ8BlockChunks) {
         const int64_t c1 = std::min(nkb, c0 + kQ8BlockChunks);
-        for (int r = 0; r < kAmxTileN; r++) {
-            _mm_prefetch((const char*)wrows[r] + 16 * c0 + kQ8Ahead, _MM_HINT_T0);
-            _mm_prefetch((const char*)wrows[r] + 16 * c0 + kQ8Ahead + 64, _MM_HINT_T0);
-            for (int64_t c = c0; c < c1; c += 4) {  // 64 bytes: chunks c .. c + 3 (c .. c + 1 at the end)
-                const __mmask64 mk = c + 4 <= c1 ? ~0ULL : 0xFFFFFFFFULL;
-                // nibble u = q + 8 after the xor; q = u - 8. lo / hi: the even / odd K of each chunk
-                const __m512i v = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, wrows[r] + 16 * c), x88);
-                const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, m4), e8);
-                const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), e8);
-                int8_t* o = buf + ((c - c0) * kAmxTileN + r) * 32;
-                const __m512i p01 = _mm512_permutex2var_epi64(lo, first, hi);  // chunk c, chunk c + 1
-                _mm256_store_si256((__m256i*)o, _mm512_castsi512_si256(p01));
-                _mm256_store_si256((__m256i*)(o + kAmxTileN * 32), _mm512_extracti64x4_epi64(p01, 1));
-                if (c + 4 <= c1) {
-                    const __m512i p23 = _mm512_permutex2var_epi64(lo, second, hi);
-                    _mm256_store_si256((__m256i*)(o + 2 * kAmxTileN * 32), _mm512_castsi512_si256(p23));
-                    _mm256_store_si256((__m256i*)(o + 3 * kAmxTileN * 32), _mm512_extracti64x4_epi64(p23, 1));
-                }
-            }
-        }
+        q8_decode_block<true>(wrows, c0, c1, (uint8_t*)buf);
         for (int64_t tt = 0; tt < mt; tt++) {
             const int8_t* bt = bq + tt * nkb * 512;
             const float* st = sx + tt * nkb * 16;
@@ -1096,28 +1104,9 @@ static void dpq8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n
     const void* srows[kAmxTileN];
     tile_row_pointers<SF>(a, w, e, n0, wrows, srows);
     memset(acc, 0, sizeof(float) * kAmxTileN * mpad);
-    const __m512i m4 = _mm512_set1_epi8(0x0F), x88 = _mm512_set1_epi8((char)0x88);
-    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
     for (int64_t c0 = 0; c0 < nkb; c0 += kQ8BlockChunks) {
         const int64_t c1 = std::min(nkb, c0 + kQ8BlockChunks);
-        for (int r = 0; r < kAmxTileN; r++) {  // llk_amx_q8's decoder, without the - 8
-            _mm_prefetch((const char*)wrows[r] + 16 * c0 + kQ8Ahead, _MM_HINT_T0);
-            _mm_prefetch((const char*)wrows[r] + 16 * c0 + kQ8Ahead + 64, _MM_HINT_T0);
-            for (int64_t c = c0; c < c1; c += 4) {
-                const __mmask64 mk = c + 4 <= c1 ? ~0ULL : 0xFFFFFFFFULL;
-                const __m512i v = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, wrows[r] + 16 * c), x88);
-                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                uint8_t* o = buf + ((c - c0) * kAmxTileN + r) * 32;
-                const __m512i p01 = _mm512_permutex2var_epi64(lo, first, hi);
-                _mm256_store_si256((__m256i*)o, _mm512_castsi512_si256(p01));
-                _mm256_store_si256((__m256i*)(o + kAmxTileN * 32), _mm512_extracti64x4_epi64(p01, 1));
-                if (c + 4 <= c1) {
-                    const __m512i p23 = _mm512_permutex2var_epi64(lo, second, hi);
-                    _mm256_store_si256((__m256i*)(o + 2 * kAmxTileN * 32), _mm512_castsi512_si256(p23));
-                    _mm256_store_si256((__m256i*)(o + 3 * kAmxTileN * 32), _mm512_extracti64x4_epi64(p23, 1));
-                }
-            }
-        }
+        q8_decode_block<false>(wrows, c0, c1, buf);
         for (int64_t g0 = c0; g0 < c1;) {  // the chunks of one group in this block
             const int64_t g = g0 / cpg, g1 = std::min(c1, (g + 1) * cpg);
             for (int r0 = 0; r0 < kAmxTileN; r0 += 4) {
