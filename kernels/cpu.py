@@ -8,7 +8,7 @@ the default is the best this CPU has, and a cap above what the CPU has is refuse
   table) into fp32 FMAs; more rows through ``llk_amx``: 32 weight rows x 128-256 K values decoded
   to bf16 (exact for every format) into an L1 buffer and multiplied on AMX with fp32
   accumulation; int4's group scales, not exact in bf16, are applied to each group's fp32 sum.
-* ``avx512`` (AVX-512 with BF16 and VBMI, no AMX: AMD Zen 4/5, Ice Lake; ``llk.cpp``): the same
+* ``avx512`` (AVX-512 with BF16, VBMI and VNNI, no AMX: AMD Zen 4/5, Intel Cooper Lake; ``llk.cpp``): the same
   GEMV for fp32 activations; bf16 (and fp8 / nvfp4-quantized) activations through ``llk_gemv_dp``:
   weights decoded to bf16, exactly, for vdpbf16ps with fp32 sums (``GEMV_DOT``); more rows of such
   activations through ``llk_dpgemm``: ``llk_amx``'s decoder, activation tiles and group-scale
