@@ -1042,19 +1042,6 @@ static void amx_q8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t
     }
 }
 
-template <int SF>
-static void amx_q8_impl(const LlkArgs& a, int64_t e, int8_t* bq, float* sx, int32_t* cs) {
-    const Tables& t = tables();
-    const int64_t rows = a.row_end[e] - a.row_start[e];
-    const int64_t mt = (rows + 15) / 16, mpad = mt * 16;
-    const float* x = (const float*)a.x + a.row_start[e] * a.ldx;
-    tile_items(a, e, a.K / 2, kQ8BlockChunks * kAmxTileN * 32, amx_q8_thread_init,
-               [&](const LlkWeight& w, int64_t n0, float* acc, void* buf, float* tmp) {
-                   amx_q8_rows<SF>(a, w, e, n0, bq, sx, mt, acc, mpad, (int8_t*)buf, (int32_t*)tmp, t);
-               },
-               [&] { q8_pack_rows(x, a.ldx, rows, a.K, bq, sx, cs); });
-}
-
 // acc[nn][m] (32 x mpad fp32) = weight rows [n0, n0 + 32) of expert e times the int8 activations
 // (bq / sx / cs of q8_pack_rows; mt tiles of 16 rows) without AMX: vpdpbusd in zmm registers
 // (AVX-512 VNNI). It multiplies unsigned bytes by signed ones, so the weights enter as their
@@ -1122,15 +1109,18 @@ static void dpq8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n
     }
 }
 
-template <int SF>
-static void dpq8_impl(const LlkArgs& a, int64_t e, int8_t* bq, float* sx, int32_t* cs) {
+// Rows of expert e times int8 activations: the rows packed (q8_pack_rows), then each item of
+// weight rows multiplied by AMX int8 tiles (amx_q8_rows) or, without AMX, vpdpbusd (dpq8_rows).
+template <int SF, bool AMX>
+static void q8_gemm_impl(const LlkArgs& a, int64_t e, int8_t* bq, float* sx, int32_t* cs) {
     const Tables& t = tables();
     const int64_t rows = a.row_end[e] - a.row_start[e];
     const int64_t mt = (rows + 15) / 16, mpad = mt * 16;
     const float* x = (const float*)a.x + a.row_start[e] * a.ldx;
-    tile_items(a, e, a.K / 2, kQ8BlockChunks * kAmxTileN * 32, nullptr,
-               [&](const LlkWeight& w, int64_t n0, float* acc, void* buf, float*) {
-                   dpq8_rows<SF>(a, w, e, n0, bq, sx, cs, mt, acc, mpad, (uint8_t*)buf, t);
+    tile_items(a, e, a.K / 2, kQ8BlockChunks * kAmxTileN * 32, AMX ? amx_q8_thread_init : nullptr,
+               [&](const LlkWeight& w, int64_t n0, float* acc, void* buf, float* tmp) {
+                   if constexpr (AMX) amx_q8_rows<SF>(a, w, e, n0, bq, sx, mt, acc, mpad, (int8_t*)buf, (int32_t*)tmp, t);
+                   else dpq8_rows<SF>(a, w, e, n0, bq, sx, cs, mt, acc, mpad, (uint8_t*)buf, t);
                },
                [&] { q8_pack_rows(x, a.ldx, rows, a.K, bq, sx, cs); });
 }
@@ -1481,12 +1471,12 @@ int llk_amx(const LlkArgs* a, int64_t e, int64_t kp) {
 // AMX: x is fp32 in K order, quantized here per 32 values (see amx_q8_rows).
 int llk_amx_q8(const LlkArgs* a, int64_t e) {
     if (!g_amx_ok) return -1;
-    return q8_call(a, e, [&](auto S, int8_t* bq, float* sx, int32_t* cs) { amx_q8_impl<S.value>(*a, e, bq, sx, cs); });
+    return q8_call(a, e, [&](auto S, int8_t* bq, float* sx, int32_t* cs) { q8_gemm_impl<S.value, true>(*a, e, bq, sx, cs); });
 }
 
 // llk_amx_q8 without AMX: vpdpbusd in registers (AVX-512 VNNI), same arguments.
 int llk_dpq8(const LlkArgs* a, int64_t e) {
-    return q8_call(a, e, [&](auto S, int8_t* bq, float* sx, int32_t* cs) { dpq8_impl<S.value>(*a, e, bq, sx, cs); });
+    return q8_call(a, e, [&](auto S, int8_t* bq, float* sx, int32_t* cs) { q8_gemm_impl<S.value, false>(*a, e, bq, sx, cs); });
 }
 
 // llk_amx without AMX: vdpbf16ps in registers (AVX-512 BF16), same arguments and x order.
