@@ -974,8 +974,9 @@ static inline void q8_decode_block(const uint8_t* const* wrows, int64_t c0, int6
 // bq / their scales sx (mt tiles of 16 rows, [mt][K / 32] each), group scales included. K is
 // walked in blocks of kQ8BlockChunks chunks, decoded to int8 into `buf` ([chunk][32 rows][32]),
 // then, per activation tile and half of the weight rows, each group's run of chunks is multiplied
-// two chunks at a time (two accumulator tiles, so neither waits on the other's read-out), each
-// read out into 16 fp32 registers: sum over the group's blocks of C * s_x, then times s_w into acc.
+// two chunks at a time (two accumulator tiles; the next two chunks take the other two, so their
+// products need not wait for this pair's read-out), each read out into 16 fp32 registers: sum over
+// the group's blocks of C * s_x, then times s_w into acc.
 template <int SF>
 static void amx_q8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n0, const int8_t* bq, const float* sx,
                         int64_t mt, float* acc, int64_t mpad, int8_t* buf, int32_t* tmp, const Tables& t) {
