@@ -20,7 +20,7 @@ import torch
 import kernels
 from kernels import cpu, cpu_lib, dispatch
 from kernels import reference as R
-from kernels.formats import dequantize_weight, select_expert
+from kernels.formats import dequantize_weight, select_expert, weight_shape
 
 from test_reference import fp8_weight, int4_weight, nvfp4_weight, w4a8_weight
 
@@ -127,17 +127,21 @@ def test_zero_rows(isa):
     assert torch.equal(out, torch.zeros(3, 40))
 
 
+def grouped_absdot(x, off, w):
+    """fp32 |x| @ |W_e|.T for each expert's rows (its effective activations), 0 outside them: the
+    scale of each output's fp32 rounding error."""
+    absdot = torch.zeros(x.shape[0], weight_shape(w)[1], dtype=torch.float32)
+    for e in (e for e in range(len(off) - 1) if off[e + 1] > off[e]):
+        we = select_expert(w, e)
+        absdot[off[e] : off[e + 1]] = effective_x(x[off[e] : off[e + 1]], we).abs() @ dequantize_weight(we).abs().T
+    return absdot
+
+
 def grouped_reference_check(x, offsets, w, tol):
     out = cpu.grouped_linear(x, offsets, w)
     ref = R.grouped_linear(x, offsets, w)
-    absdot = torch.zeros_like(ref, dtype=torch.float32)
     off = offsets.tolist()
-    for e in range(len(off) - 1):
-        if off[e + 1] > off[e]:
-            we = select_expert(w, e)
-            rows = x[off[e] : off[e + 1]]
-            absdot[off[e] : off[e + 1]] = effective_x(rows, we).abs() @ dequantize_weight(we).abs().T
-    assert_close(out, ref, absdot, tol)
+    assert_close(out, ref, grouped_absdot(x, off, w), tol)
     outside = torch.ones(x.shape[0], dtype=torch.bool)
     outside[off[0] : off[-1]] = False
     assert (out[outside] == 0).all()
@@ -396,11 +400,7 @@ def test_bf16_activations_keep_fp32_numerics(fmt, lib_isa):
             off = [0, counts[0], counts[0] + counts[1], sum(counts)]
             x = torch.randn(off[-1], k, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(sum(counts)))
             ref = R.grouped_linear(x.float(), torch.tensor(off), w)
-            absdot = torch.zeros_like(ref)
-            for e in (e for e in range(3) if off[e + 1] > off[e]):
-                we = select_expert(w, e)
-                absdot[off[e] : off[e + 1]] = effective_x(x[off[e] : off[e + 1]].float(), we).abs() @ dequantize_weight(we).abs().T
-            assert_close(cpu._run(form, x, off), ref, absdot, EXACT)
+            assert_close(cpu._run(form, x, off), ref, grouped_absdot(x.float(), off, w), EXACT)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -496,11 +496,7 @@ def test_int8_activations_with_many_rows(cap, k, gs, sdt):
             off = [0, counts[0], counts[0] + counts[1], sum(counts)]
             x = torch.randn(off[-1], k, generator=torch.Generator().manual_seed(sum(counts))) * 3
             ref = R.grouped_linear(x, torch.tensor(off), w)
-            absdot = torch.zeros_like(ref)
-            for e in (e for e in range(3) if off[e + 1] > off[e]):
-                we = select_expert(w, e)
-                absdot[off[e] : off[e + 1]] = effective_x(x[off[e] : off[e + 1]], we).abs() @ dequantize_weight(we).abs().T
-            assert_close(cpu._run(form, x, off), ref, absdot, EXACT)
+            assert_close(cpu._run(form, x, off), ref, grouped_absdot(x, off, w), EXACT)
             # SwiGLU: silu of W1's products times W3's, within the fp32 bound of the reference's
             ref3 = R.grouped_linear(x, torch.tensor(off), w3)
             want = torch.nn.functional.silu(ref) * ref3
