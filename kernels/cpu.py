@@ -681,20 +681,21 @@ def _run_int8(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict]
     limit = gemv_max_rows(form)
     out = (torch.empty if off[0] == 0 and off[-1] == t else torch.zeros)(t, form["n"], dtype=torch.float32)
     small = [0 < c <= limit for c in counts]
+    large = [c if c > limit else 0 for c in counts]
+    in_library = any(large) and form["path"] in ("amx", "avx512")  # many rows quantized there too
+    # fp32 rows for the library to quantize, kept alive while it runs (its arguments hold the address)
+    xf = x.float().contiguous() if any(small) or in_library else None
     if any(small):
         starts = _rows_array([off[i] if small[i] else 0 for i in range(e1)])
         ends = _rows_array([off[i + 1] if small[i] else 0 for i in range(e1)])
-        xf = x.float().contiguous()
         args = _args(form, xf, None, out, starts, ends, form3)
         _check(library("avx2").llk_gemv_q8(ctypes.byref(args)), "llk_gemv_q8")
-    large = [c if c > limit else 0 for c in counts]
-    if any(large) and form["path"] in ("amx", "avx512"):
+    if in_library:
         # integer products in the library (AMX tiles, or AVX-512 VNNI in registers), the
         # activations quantized there as the GEMV does it
         name = "llk_amx_q8" if form["path"] == "amx" else "llk_dpq8"
         gemm = getattr(library("avx512"), name)
         starts, ends = _rows_array(off[:-1]), _rows_array(off[1:])
-        xf = x.float().contiguous()  # kept alive: the argument block holds only its address
         args = _args(form, xf, None, out, starts, ends, form3)
         for i in range(e1):
             if large[i]:

@@ -1003,7 +1003,10 @@ static void amx_q8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t
                         _tile_loadd(6, bt + c * 512, 64);
                         _tile_loadd(5, ah + (c + 1 - c0) * kAmxTileN * 32, 32);
                         _tile_loadd(7, bt + (c + 1) * 512, 64);
-                        if (c % 4 == 0) {  // accumulator pairs alternate: no wait on the last read-out
+                        // accumulator pairs alternate: no wait on the last read-out. Spelled out twice: GCC's
+                        // tile intrinsics paste their tile numbers into the instruction text, so no
+                        // template parameter or variable can stand for them.
+                        if (c % 4 == 0) {
                             _tile_dpbssd(0, 4, 6);
                             _tile_dpbssd(1, 5, 7);
                             _tile_stored(0, tmp, 64);
