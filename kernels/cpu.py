@@ -77,6 +77,7 @@ from .cpu_lib import (
     isa,
     library,
     native_bf16,
+    onednn_cap,
     requested_isa,
     set_isa,
 )
@@ -295,6 +296,8 @@ def describe(w: Weight) -> str:
         if path == "none" or w.dtype != torch.bfloat16:
             return "cpu/none: PyTorch matmul"
         big = "PyTorch bf16 GEMM" if native_bf16() else "fp32 weight tiles + PyTorch fp32 GEMM"
+        if onednn_cap():
+            big += f" (oneDNN up to {onednn_cap()})"
         return f"cpu/{path}: bf16 GEMV up to {BF16_GEMV_MAX_ROWS[path]} rows, {big} above"
     form = _form(w)
     if form["path"] == "torch":

@@ -125,6 +125,29 @@ def _read_cap():
     return os.environ.get("LLAMA_LITE_CPU_ISA", "")
 
 
+# A cap set in the environment (not by set_isa) caps PyTorch's oneDNN as well, so the whole process
+# runs as on a CPU of that kind: on an AMX CPU its bf16 GEMMs would otherwise take AMX tiles whatever
+# the cap (16x the avx512 rate on a 512 x 1024 x 4096 GEMM), and "x bf16" would compare with them.
+# oneDNN reads ONEDNN_MAX_CPU_ISA at its first GEMM, which comes after this import in the scripts; a
+# value the user set is left alone.
+_ONEDNN_ISA = {"avx512": "AVX512_CORE_BF16", "avx2": "AVX2"}
+
+
+def _cap_onednn() -> Optional[str]:
+    want = os.environ.get("LLAMA_LITE_CPU_ISA", "").strip().lower()
+    if want in _ONEDNN_ISA and not any(k in os.environ for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")):
+        os.environ["ONEDNN_MAX_CPU_ISA"] = _ONEDNN_ISA[want]
+    return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+
+
+_onednn_cap = _cap_onednn()
+
+
+def onednn_cap() -> Optional[str]:
+    """The cap on PyTorch's oneDNN (ONEDNN_MAX_CPU_ISA as this module found or set it), or None."""
+    return _onednn_cap
+
+
 _libs: dict[str, Optional[ctypes.CDLL]] = {}
 _amx_ok: Optional[bool] = None
 _warned: set[str] = set()
@@ -257,9 +280,15 @@ def amx_available() -> bool:
     return isa() == "amx"
 
 
+_ONEDNN_BF16 = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "DEFAULT", "ALL")
+
+
 def native_bf16() -> bool:
     """Whether PyTorch's bf16 GEMM has hardware support here (else it is far slower than fp32)."""
-    return cpu_isas()[0] in ("amx", "avx512") or platform.machine().lower() not in ("x86_64", "amd64")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    capped = _onednn_cap is not None and not _onednn_cap.upper().startswith(_ONEDNN_BF16)
+    return cpu_isas()[0] in ("amx", "avx512") and not capped
 
 
 def gemv_lib(path: str) -> ctypes.CDLL:

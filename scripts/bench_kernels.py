@@ -24,7 +24,10 @@ reference path and over bf16 on the same layer and batch.
 
 Paths: ``cpu`` (kernels.cpu under the CPU cap in force; ``--isa avx2,none`` or ``--isa all`` runs it
 under each cap as ``cpu/avx2`` ...), ``reference`` (kernels.reference), and ``int4pack`` (PyTorch's
-``_weight_int4pack_mm_for_cpu``, int4 only, as a baseline). ``--backends`` picks among them. Run as a program, the script sets
+``_weight_int4pack_mm_for_cpu``, int4 only, as a baseline). ``--backends`` picks among them. The
+bf16 rows at many rows are PyTorch's GEMM (oneDNN), which ``--isa`` cannot cap within a process: on
+an AMX CPU, ``LLAMA_LITE_CPU_ISA=avx512 python -m scripts.bench_kernels --isa avx512`` runs it as a
+CPU without AMX would (the cap in the environment caps oneDNN too). Run as a program, the script sets
 ``OMP_WAIT_POLICY=PASSIVE`` unless it is set (see below); the JSON records the policy in force.
 """
 
@@ -344,10 +347,14 @@ def run(quick: bool = False, json: Optional[str] = None, backends: str = "cpu,re
     info = dict(
         cpu=platform.processor() or platform.machine(), torch=torch.__version__, threads=torch.get_num_threads(),
         cpu_model=_cpu_model(), capability=torch.backends.cpu.get_cpu_capability(), cpu_isas=cpu.cpu_isas(),
-        isa_in_force=cpu.isa(),
+        isa_in_force=cpu.isa(), onednn_max_isa=cpu.onednn_cap() or "(the best this CPU has)",
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(default: spin)"),
     )  # fmt: skip
     print(f"# {info}", flush=True)
+    below = [p.split("/")[1] for p in paths if p.split("/")[-1] in ("avx512", "avx2")]
+    if below and "amx" in cpu.cpu_isas() and not cpu.onednn_cap():
+        print(f"# note: the bf16 rows under {', '.join(below)} run PyTorch's GEMMs with AMX, as no CPU of that kind "
+              f"could; start with LLAMA_LITE_CPU_ISA={below[0]} to run them as such a CPU would", flush=True)
     # the streaming-read reference, in 2 MiB pages as the weights: larger than the LLC except in --quick
     stream = huge_page_copy(torch.ones((1 << 20) if quick else (256 << 20), dtype=torch.float32))  # 4 MiB / 1 GiB
     rows = []

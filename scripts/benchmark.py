@@ -682,6 +682,7 @@ def machine_info(threads: int) -> dict:
 
     info["cpu_paths"] = list(cpu.cpu_isas())
     info["cpu_path_in_force"] = cpu.isa()  # LLAMA_LITE_CPU_ISA, as every mode's process sees it
+    info["onednn_max_isa"] = cpu.onednn_cap() or "(the best this CPU has)"  # capped with it, set at start
     return info
 
 

@@ -322,6 +322,48 @@ def test_caps_above_the_cpu_are_refused(monkeypatch):
     assert cpu.requested_isa() == "none"
 
 
+_ONEDNN_PROBE = """
+import torch
+import kernels.cpu as cpu
+a, b = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(256, 512, dtype=torch.bfloat16)
+a @ b
+print("cap", cpu.onednn_cap(), cpu.native_bf16(), cpu.describe(b.T.contiguous()))
+"""
+
+
+@pytest.mark.parametrize("cap", ["avx512", "avx2", "mine"])
+def test_a_cap_in_the_environment_caps_onednn_too(cap):
+    # A process started with LLAMA_LITE_CPU_ISA=avx512 runs PyTorch's bf16 GEMMs as a CPU without
+    # AMX would (oneDNN's verbose log names the kernel it ran); a cap the user gave oneDNN stands.
+    import os
+    import subprocess
+    import sys
+
+    run_cap = "avx2" if cap == "mine" else cap
+    if run_cap not in cpu.cpu_isas():
+        pytest.skip(f"this CPU cannot run the {run_cap} cap")
+    env = dict(os.environ, LLAMA_LITE_CPU_ISA=run_cap, ONEDNN_VERBOSE="1")
+    env.pop("DNNL_MAX_CPU_ISA", None)
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    if cap == "mine":
+        env["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
+    out = subprocess.run([sys.executable, "-c", _ONEDNN_PROBE], env=env, capture_output=True, text=True, check=True,
+                         timeout=300).stdout  # fmt: skip
+    ran = [ln.split(",")[6] for ln in out.splitlines() if ln.startswith("onednn_verbose") and ",exec,cpu,matmul," in ln]
+    cap_line = next(ln for ln in out.splitlines() if ln.startswith("cap "))
+    assert all("amx" not in impl for impl in ran), ran
+    if cap == "avx512":
+        assert cap_line.startswith("cap AVX512_CORE_BF16 True") and "oneDNN up to AVX512_CORE_BF16" in cap_line
+        assert ran and all("avx512_core_bf16" in impl for impl in ran), ran
+    elif cap == "avx2":  # no bf16 instructions: bf16 GEMMs as fp32 weight tiles, as on an AVX2 laptop
+        assert cap_line.startswith("cap AVX2 False") and "fp32 weight tiles" in cap_line
+        assert all("avx512" not in impl for impl in ran), ran
+    else:
+        assert cap_line.startswith("cap AVX512_CORE_BF16 True")
+        if "avx512" in cpu.cpu_isas():
+            assert ran and all("avx512_core_bf16" in impl for impl in ran), ran
+
+
 # ---- dispatch
 
 
