@@ -83,6 +83,7 @@ class OneTokenAttention:
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.qk_norm_eps = qk_norm_eps
         self._plans: dict = {}
+        self.block_plans: dict = {}  # kernels.block_layer's plans (they point at this layer's)
 
     def _plan(self, cache_k: torch.Tensor, cache_v: torch.Tensor, chunk: int, ring: bool) -> Optional[tuple]:
         # not the cache tensors: a plan is found by their address, shape and strides, so it is only
@@ -109,6 +110,20 @@ class OneTokenAttention:
     def __call__(self, x: torch.Tensor, position: int, rope: Optional[tuple], q_scale: Optional[float],
                  cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                  chunk: int, ring: bool) -> Optional[torch.Tensor]:  # fmt: skip
+        call = self.call_args(x, rope, cache_k, cache_v, k_scale, v_scale, chunk, ring)
+        if call is None:
+            return None
+        plan, cos, sin = call
+        out = torch.empty(1, plan.D, dtype=torch.bfloat16)
+        rc = library("avx2").llk_attention_one_token(ctypes.addressof(plan), x.data_ptr(), position, cos, sin,
+                                                     q_scale is not None, q_scale or 0.0, out.data_ptr())  # fmt: skip
+        check_rc(rc, plan, position, "llk_attention_one_token")
+        return out
+
+    def call_args(self, x: torch.Tensor, rope: Optional[tuple], cache_k: torch.Tensor, cache_v: torch.Tensor,
+                  k_scale: torch.Tensor, v_scale: torch.Tensor, chunk: int, ring: bool) -> Optional[tuple]:
+        """(plan, cos pointer, sin pointer) of the library call for these arguments, or None where
+        it does not apply (see the module docstring)."""
         if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1:
             return None
         if cache_k.dtype != torch.bfloat16 or cache_v.dtype != torch.bfloat16 or k_scale.numel() or v_scale.numel():
@@ -135,11 +150,12 @@ class OneTokenAttention:
             cos, sin = cos.data_ptr(), sin.data_ptr()
         else:
             cos = sin = None
-        out = torch.empty(1, plan.D, dtype=torch.bfloat16)
-        rc = library("avx2").llk_attention_one_token(ctypes.addressof(plan), x.data_ptr(), position, cos, sin,
-                                                     q_scale is not None, q_scale or 0.0, out.data_ptr())  # fmt: skip
-        if rc == -1:
-            raise ValueError(f"position {position} lies outside this layer's KV cache of {plan.slots} slots")
-        if rc:
-            raise RuntimeError(f"llk_attention_one_token: a GEMV rejected a layout that prepare() accepted ({rc})")  # a bug
-        return out
+        return plan, cos, sin
+
+
+def check_rc(rc: int, plan: LlkAttnPlan, position: int, fn: str) -> None:
+    """Raise for a non-zero return code of a library call that ran an attention plan."""
+    if rc == -1:
+        raise ValueError(f"position {position} lies outside this layer's KV cache of {plan.slots} slots")
+    if rc:
+        raise RuntimeError(f"{fn}: a GEMV rejected a layout that prepare() accepted ({rc})")  # a bug

@@ -108,7 +108,7 @@ def _bf16_plan(router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[tupl
     return plan, [router_ED, *ws[1:]]  # not w1: it keys the plan (a strong reference would keep it forever)
 
 
-def _moe_bf16(x: torch.Tensor, router_ED: torch.Tensor, path: str, ws: tuple) -> Optional[torch.Tensor]:
+def _moe_bf16_plan(x: torch.Tensor, router_ED: torch.Tensor, path: str, ws: tuple) -> Optional[LlkMoeBf16Plan]:
     key = (path, torch.get_num_threads(), router_ED.data_ptr(), tuple(router_ED.shape), ws[0].data_ptr(),
            *(id(w) for w in ws[1:]))  # fmt: skip
     kept = _bf16_plans(ws[0])
@@ -118,14 +118,26 @@ def _moe_bf16(x: torch.Tensor, router_ED: torch.Tensor, path: str, ws: tuple) ->
             kept.clear()
         entry = kept[key] = _bf16_plan(router_ED, *ws) or (None, None)
     plan = entry[0]
-    if plan is None or x.shape[1] != plan.D:
-        return None
-    out = torch.empty(1, plan.D, dtype=torch.bfloat16)
-    library("avx2").llk_moe_one_token_bf16(ctypes.addressof(plan), x.data_ptr(), out.data_ptr(), None)
-    return out
+    return None if plan is None or x.shape[1] != plan.D else plan
 
 
 def moe_one_token(x: torch.Tensor, router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[torch.Tensor]:
+    plan = moe_plan(x, router_ED, w1, w3, w2, s1, s3, s2)
+    if plan is None:
+        return None
+    out = torch.empty(1, plan.D, dtype=torch.bfloat16)
+    if isinstance(plan, LlkMoeBf16Plan):
+        library("avx2").llk_moe_one_token_bf16(ctypes.addressof(plan), x.data_ptr(), out.data_ptr(), None)
+        return out
+    rc = library("avx2").llk_moe_one_token(ctypes.addressof(plan), x.data_ptr(), out.data_ptr(), None)
+    if rc:
+        raise RuntimeError(f"llk_moe_one_token: a GEMV rejected a layout that prepare() accepted ({rc})")  # a bug
+    return out
+
+
+def moe_plan(x: torch.Tensor, router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2):
+    """The library plan (LlkMoePlan, or LlkMoeBf16Plan for bf16 weights) of ``moe_one_token`` for these
+    arguments, or None where it does not apply."""
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1:
         return None
     if get_backend() not in ("auto", "cpu") or router_ED.dtype != torch.float32 or not router_ED.is_contiguous():
@@ -134,7 +146,7 @@ def moe_one_token(x: torch.Tensor, router_ED: torch.Tensor, w1, w3, w2, s1, s3, 
     if path == "none":
         return None
     if isinstance(w1, torch.Tensor):
-        return _moe_bf16(x, router_ED, path, (w1, w3, w2, s1, s3, s2))
+        return _moe_bf16_plan(x, router_ED, path, (w1, w3, w2, s1, s3, s2))
     # one plan per (path, threads, router copy, shared weights), kept in the routed W1's prepared forms
     key = (path, torch.get_num_threads(), router_ED.data_ptr(), tuple(router_ED.shape), id(s1), id(s3), id(s2))
     kept = w1.prepared.setdefault("moe_one_token", {})
@@ -144,10 +156,4 @@ def moe_one_token(x: torch.Tensor, router_ED: torch.Tensor, w1, w3, w2, s1, s3, 
             kept.clear()
         entry = kept[key] = _plan(router_ED, w1, w3, w2, s1, s3, s2) or (None, None)
     plan = entry[0]
-    if plan is None or x.shape[1] != plan.D:
-        return None
-    out = torch.empty(1, plan.D, dtype=torch.bfloat16)
-    rc = library("avx2").llk_moe_one_token(ctypes.addressof(plan), x.data_ptr(), out.data_ptr(), None)
-    if rc:
-        raise RuntimeError(f"llk_moe_one_token: a GEMV rejected a layout that prepare() accepted ({rc})")  # a bug
-    return out
+    return None if plan is None or x.shape[1] != plan.D else plan

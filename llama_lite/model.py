@@ -416,9 +416,16 @@ class TransformerBlock(nn.Module):
         self.feed_forward = MoE(args) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.dense_hidden_dim())
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        # one_token_impl(x_1D, positions_bs, rope) -> the block's output [1, D] for one token (batch-1
+        # decode) in one call, or None where it does not apply; a loader may install one (eager only)
+        self.one_token_impl: Optional[Callable] = None
 
     def forward(self, x, positions, rope, step: Optional[Step]):
         """``step`` None: a decode step (see ``Attention.forward``)."""
+        if step is None and self.one_token_impl is not None and x.shape[:2] == (1, 1) and not torch.compiler.is_compiling():
+            out = self.one_token_impl(x.view(1, -1), positions, rope)
+            if out is not None:
+                return out.view(x.shape)
         h = x + self.attention(self.attention_norm(x), positions, rope, step)
         return h + self.feed_forward(self.ffn_norm(h))
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Optional
 
+import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 from torch import nn
 
@@ -27,6 +28,7 @@ from llama_lite.errors import CheckpointError, ConfigError
 from llama_lite.kv_cache import RingCache, register_attention
 from llama_lite.model import (
     Attention, ColumnParallelLinear, Experts, FeedForward, MoE, RMSNorm, RowParallelLinear, Transformer,
+    TransformerBlock,
 )
 
 from .checkpoint_io import (
@@ -242,6 +244,7 @@ def _attention_to_kernels(model: Transformer) -> None:
     layer whose four linear layers run through ``kernels.linear``, as one ``kernels.OneTokenAttention``
     call."""
     impl = register_attention(kernels.decode_attention, kernels.decode_step)
+    layers, moes = {}, {}  # the one-call layers installed below, for the one-call blocks
     for module in model.modules():
         if isinstance(module, Attention):
             module.attend_impl = impl
@@ -251,6 +254,7 @@ def _attention_to_kernels(model: Transformer) -> None:
                     module.wq.weight, module.wk.weight, module.wv.weight, module.wo.weight, module.n_local_heads,
                     module.n_local_kv_heads, module.head_dim, module.norm_eps if module.use_qk_norm else None)
                 module.one_token_impl = partial(_attention_one_token, layer=layer, attention=module)
+                layers[module] = layer
         elif isinstance(module, RMSNorm):
             module.impl = kernels.rmsnorm
         elif isinstance(module, MoE) and (
@@ -259,11 +263,32 @@ def _attention_to_kernels(model: Transformer) -> None:
             routed, shared = module.experts, module.shared_expert
             module.one_token_impl = partial(_moe_one_token, weights=(routed.w1, routed.w3, routed.w2, shared.w1,
                                                                      shared.w3, shared.w2))  # fmt: skip
+            moes[module] = module.one_token_impl.keywords["weights"]
+    if fs_init.get_model_parallel_world_size() != 1:  # each layer's partial sums are reduced across ranks
+        return
+    for block in model.layers:
+        attention, moe = block.attention, block.feed_forward
+        if attention in layers and moe in moes and moe.top_k == 1:
+            block.one_token_impl = partial(_block_one_token, block=block, layer=layers[attention], weights=moes[moe])
 
 
 def _attention_one_token(x_1D: torch.Tensor, position: int, rope, q_scale, layer, attention: Attention):
     cache = attention.cache
     return layer(x_1D, position, rope, q_scale, *cache.store.tensors(), cache.chunk or 0, isinstance(cache, RingCache))
+
+
+def _block_one_token(x_1D: torch.Tensor, positions_bs: torch.Tensor, rope, block: TransformerBlock, layer,
+                     weights: tuple) -> Optional[torch.Tensor]:  # fmt: skip
+    attention, moe = block.attention, block.feed_forward
+    if x_1D.device.type != "cpu":  # as MoE.forward: a GPU would stall on the host-read expert
+        return None
+    q_scale = attention.temperature(positions_bs)
+    cache = attention.cache
+    norms = (block.attention_norm.weight, block.attention_norm.eps, block.ffn_norm.weight, block.ffn_norm.eps)
+    return kernels.one_token_block(x_1D, int(positions_bs), rope if attention.use_rope else None,
+                                   None if q_scale is None else float(q_scale), layer,
+                                   (*cache.store.tensors(), cache.chunk or 0, isinstance(cache, RingCache)),
+                                   (moe.router_fp32(), *weights), norms)  # fmt: skip
 
 
 def _moe_one_token(x_1D: torch.Tensor, router_ED: torch.Tensor, weights: tuple) -> Optional[torch.Tensor]:

@@ -24,7 +24,10 @@ NEXT = [42, 7, 99, 1234, 5, 600, 3, 8, 9, 10, 11, 12]  # positions 5..16: across
                 ids=["bf16", "int4_mixed", "int4_all", "nvfp4_all"])  # fmt: skip
 def built(request, tiny_ckpt, dist1):
     mode, targets = request.param
-    return quantization.build(tiny_ckpt, mode, targets=targets, max_seq_len=64, max_batch_size=1, progress=False)
+    llama = quantization.build(tiny_ckpt, mode, targets=targets, max_seq_len=64, max_batch_size=1, progress=False)
+    for block in llama.model.layers:  # the attention layer's own call (test_block_layer.py: the whole block's)
+        block.one_token_impl = None
+    return llama
 
 
 @pytest.fixture
@@ -180,4 +183,5 @@ def test_one_call_layers_under_tensor_parallelism(tiny_ckpt, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for mode, r in torch.load(out, weights_only=True).items():
         assert r["expected"] > 0 and r["taken"] == (0 if cpu.isa() == "none" else r["expected"]), mode
+        assert r["blocks"] == 0, mode  # a one-call block would skip the reduction between its layers
         assert torch.equal(r["one_call"], r["separate"]), (mode, float((r["one_call"] - r["separate"]).abs().max()))
