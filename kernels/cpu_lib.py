@@ -127,7 +127,7 @@ def _read_cap():
 
 # A cap set in the environment (not by set_isa) caps PyTorch's oneDNN as well, so the whole process
 # runs as on a CPU of that kind: on an AMX CPU its bf16 GEMMs would otherwise take AMX tiles whatever
-# the cap (16x the avx512 rate on a 512 x 1024 x 4096 GEMM), and "x bf16" would compare with them.
+# the cap (15x the avx512 rate on a 512 x 1024 x 4096 GEMM), and "x bf16" would compare with them.
 # oneDNN reads ONEDNN_MAX_CPU_ISA at its first GEMM, which comes after this import in the scripts; a
 # value the user set is left alone.
 _ONEDNN_ISA = {"avx512": "AVX512_CORE_BF16", "avx2": "AVX2"}

@@ -242,7 +242,8 @@ def _attention_to_kernels(model: Transformer) -> None:
     MoE layer whose routed and shared experts are both quantized (or both left in bf16) decodes one
     token (top-1) as one ``kernels.moe_one_token`` call where it applies; so does an attention
     layer whose four linear layers run through ``kernels.linear``, as one ``kernels.OneTokenAttention``
-    call."""
+    call. On one rank, a block whose attention and MoE layers both have such a call decodes one token
+    as one ``kernels.one_token_block`` call (norms and residual adds included)."""
     impl = register_attention(kernels.decode_attention, kernels.decode_step)
     layers, moes = {}, {}  # the one-call layers installed below, for the one-call blocks
     for module in model.modules():
