@@ -403,12 +403,20 @@ static void gemv_impl(const LlkArgs& a) {
 // (decode4_dp: one shift and one vpermw per 32 values) for int4 / w4a8 with groups of a multiple
 // of 128 and nvfp4 with K a multiple of 128 (cpu.py _dp_order), else in tile order.
 
+//
+// Blocks [b0, b1) of the row only (a K chunk, see dp_tile): `sums` carries each activation row's
+// running fp32 sums (16 lanes) from one chunk to the next; the last chunk reduces them into res.
+
 template <int WF, int SF, int MR>
 static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, const uint16_t* x,
-                          const Tables& t, float res[MR]) {
+                          const Tables& t, int64_t b0, int64_t b1, float* sums, float res[MR]) {
     constexpr bool FOLD = WF == W_FP4 || (WF == W_INT4 && SF == S_E4M3);
     constexpr bool FLUSH = WF == W_INT4 && !FOLD;
-    constexpr int NA = MR >= 4 ? 1 : 2;  // accumulators per row: enough independent chains, no spills
+    // accumulators per row: enough independent chains, no spills. vdpbf16ps has ~6 cycles of latency
+    // and two pipes on Zen 5: one accumulator per row at 8 rows kept fp8 there at ~60% of the speed
+    // of two (a 65536 x 5120 layer, 8 rows, alternating: 33-35 -> 20-21 ms); int4's group sums (tot)
+    // leave no registers for a second one
+    constexpr int NA = MR >= 5 ? 2 - FLUSH : 2;
     const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
     const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
     const void* srow = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
@@ -418,7 +426,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
     __m512 acc[MR][NA], tot[MR];
     for (int m = 0; m < MR; m++) {
         for (int j = 0; j < NA; j++) acc[m][j] = _mm512_setzero_ps();
-        tot[m] = _mm512_setzero_ps();
+        tot[m] = b0 > 0 ? _mm512_load_ps(sums + 16 * m) : _mm512_setzero_ps();
     }
     auto dot = [&](int64_t off, __m512i z, int j) {  // x columns [off, off + 32) against z
         for (int m = 0; m < MR; m++)
@@ -434,7 +442,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
         }
     };
     if (WF == W_FP8) {
-        for (int64_t blk = 0; blk < nblk; blk++) {
+        for (int64_t blk = b0; blk < b1; blk++) {
             __m512i z[2];
             prefetch(wrow + 64 * blk);
             decode8_bf16(wrow + 64 * blk, mask64(row_bytes - 64 * blk), t, z);
@@ -446,7 +454,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
         // w4a8: the group's e4m3 scale folded into the table (exact in bf16)
         const int64_t bpg = a.gs / 128;
         __m512i table = t.int4_bf16;
-        for (int64_t g = 0; g < ngroups; g++) {
+        for (int64_t g = b0 / bpg; g < b1 / bpg; g++) {
             if (FOLD) {
                 const __m512 v = _mm512_mul_ps(t.int4_f32, _mm512_set1_ps(scale_at<SF>(srow, g, t)));
                 table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
@@ -466,7 +474,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
         // group i / 2), the way int4's group sums are
         const uint8_t* s8 = (const uint8_t*)srow;
         const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-        for (int64_t blk = 0; blk < nblk; blk++) {
+        for (int64_t blk = b0; blk < b1; blk++) {
             __m512i z[4];
             prefetch(wrow + 64 * blk);
             decode4_dp(wrow + 64 * blk, t.fp4_bf16, z);
@@ -480,7 +488,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
                 tot[m] = _mm512_fmadd_ps(_mm512_add_ps(d0, d1), sv, tot[m]);
             }
         }
-    } else {
+    } else {  // (never split into K chunks: dp_chunk_blocks)
         const int64_t kc = (a.K + 31) / 32;  // chunks holding K values
         const int64_t cpg = FLUSH ? a.gs / 32 : kc;
         int64_t left = cpg;                  // chunks before the current group ends
@@ -499,21 +507,68 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
     for (int m = 0; m < MR; m++) {  // (tot holds the scaled sums, acc the unscaled ones: one is zero)
         __m512 sum = tot[m];
         for (int j = 0; j < NA; j++) sum = _mm512_add_ps(sum, acc[m][j]);
-        res[m] = _mm512_reduce_add_ps(sum);
+        if (b1 < nblk) _mm512_store_ps(sums + 16 * m, sum);
+        else res[m] = _mm512_reduce_add_ps(sum);
     }
 }
 
 static const int kDpRows = 8;  // activation rows per register tile (one decode feeds them all)
 
+// K chunks (4-bit formats). Each dot product loads its 32 activations, so MR rows of x are read
+// once per weight row: at 8 rows of K 5120 (80 KiB, more than L1) from L2 (on a 2-core AMD EPYC Zen
+// 5, a loop of the int4 kernel with its weights in L2 issued 2.6 vdpbf16ps/ns so, 3.5-5 with x in
+// L1). Above kDpChunkBytes of x, a tile's weight rows run chunk by chunk of K, each chunk of x
+// staying in L1 for all of them; each row's running fp32 sums (MR x 16 lanes) wait in memory between
+// chunks (int4's and nvfp4's scaled sums in the same order as in one pass; w4a8's lanes are added
+// at chunk ends: another fp32 summation order, fixed for a shape). A 65536 x 5120 layer at 8 rows
+// there, alternating with one pass: w4a8 0.75x the time, int4 and nvfp4 the same; fp8 (1 KiB of a
+// row per chunk) 1.6x slower, so it stays in one pass.
+static const int64_t kDpChunkBytes = 16 << 10;
+
+// Blocks (64 bytes of a weight row) per K chunk for MR activation rows, or all of them (one pass).
+template <int WF>
+static int64_t dp_chunk_blocks(const LlkArgs& a, int mr) {
+    const int64_t nblk = ((WF == W_FP8 ? a.K : a.K / 2) + 63) / 64;
+    const int64_t per_block = WF == W_FP8 ? 64 : 128;  // K values per block
+    const bool dp_order = (WF == W_INT4 && a.gs % 128 == 0) || (WF == W_FP4 && a.K % 128 == 0);
+    if (!dp_order || (int64_t)mr * a.K * 2 <= kDpChunkBytes) return nblk;
+    int64_t cb = std::max<int64_t>(1, kDpChunkBytes / (2 * mr * per_block));
+    if (WF == W_INT4) cb = (cb + a.gs / 128 - 1) / (a.gs / 128) * (a.gs / 128);  // whole groups
+    return std::min(cb, nblk);
+}
+
+template <int WF, int SF, int MR>
+static void dp_tile(const LlkArgs& a, const Tables& t, int64_t e, int64_t n0, int64_t n1, int64_t r) {
+    const uint16_t* x = (const uint16_t*)a.x + r * a.ldx;
+    const int64_t nblk = ((WF == W_FP8 ? a.K : a.K / 2) + 63) / 64, cb = dp_chunk_blocks<WF>(a, MR);
+    auto fac = [&](const LlkWeight& w, int64_t n) { return factor(w, e, n); };
+    if (cb >= nblk) {
+        gemv_tile_out<MR>(a, n0, n1, r, [&](const LlkWeight& w, int64_t n, float* res) {
+            dp_row<WF, SF, MR>(a, w, e, n, x, t, 0, nblk, nullptr, res);
+        }, fac);  // fmt: skip
+        return;
+    }
+    const bool swiglu = a.w3.w != nullptr;
+    alignas(64) float sums[2][kGemvTileN][MR * 16];
+    float res[2][kGemvTileN][MR];
+    for (int64_t b0 = 0; b0 < nblk; b0 += cb) {
+        const int64_t b1 = std::min(b0 + cb, nblk);
+        for (int64_t n = n0; n < n1; n++) {
+            dp_row<WF, SF, MR>(a, a.w1, e, n, x, t, b0, b1, sums[0][n - n0], res[0][n - n0]);
+            if (swiglu) dp_row<WF, SF, MR>(a, a.w3, e, n, x, t, b0, b1, sums[1][n - n0], res[1][n - n0]);
+        }
+    }
+    gemv_tile_out<MR>(a, n0, n1, r, [&](const LlkWeight& w, int64_t n, float* out) {
+        memcpy(out, res[&w == &a.w1 ? 0 : 1][n - n0], MR * sizeof(float));
+    }, fac);  // fmt: skip
+}
+
 template <int WF, int SF>
 static void dp_impl(const LlkArgs& a) {
     const Tables& t = tables();
-    gemv_run<kDpRows>(
-        a, WF == W_FP8 ? a.K : a.K / 2,
-        [&](auto R, const LlkWeight& w, int64_t e, int64_t n, int64_t r, float* res) {
-            dp_row<WF, SF, decltype(R)::value>(a, w, e, n, (const uint16_t*)a.x + r * a.ldx, t, res);
-        },
-        [](const LlkWeight& w, int64_t e, int64_t n) { return factor(w, e, n); });
+    gemv_tiles<kDpRows>(a, WF == W_FP8 ? a.K : a.K / 2, [&](int64_t e, int64_t n0, int64_t n1, int64_t r, int64_t rows) {
+        with_rows<1, kDpRows>(rows, [&](auto R) { dp_tile<WF, SF, decltype(R)::value>(a, t, e, n0, n1, r); });
+    });  // fmt: skip
 }
 
 // ------------------------------------------------------------------------------------------

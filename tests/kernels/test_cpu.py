@@ -445,6 +445,36 @@ def test_bf16_activations_keep_fp32_numerics(fmt, lib_isa):
             assert_close(cpu._run(form, x, off), ref, grouped_absdot(x.float(), off, w), EXACT)
 
 
+@pytest.mark.parametrize("fmt, k", [("int4", 2176), ("int4_g256", 2816), ("int4_g512", 2560), ("fp8", 2200),
+                                    ("w4a8", 2176), ("nvfp4", 2176), ("nvfp4_w4a4", 2176)])  # fmt: skip
+def test_long_rows_in_k_chunks(fmt, k, lib_isa):
+    """Rows long enough that several activation rows overflow L1: the 4-bit formats run through the
+    bf16 dot-product GEMV in K chunks (llk.cpp dp_tile; a short last chunk, chunks on group
+    boundaries for int4's 256- and 512-value groups), fp8 (K not a multiple of its 64-value block)
+    in one pass with two accumulators per row: the fp32 bound against the reference, for the fused
+    SwiGLU too, at row counts that split and one that does not."""
+    make = {"int4_g256": lambda n, kk, **kw: int4_weight(n, kk, gs=256, **kw),
+            "int4_g512": lambda n, kk, **kw: int4_weight(n, kk, gs=512, scale_dtype=torch.float32, **kw)}.get(fmt)
+    make = make or FORMATS[fmt]
+    w1, w3 = make(24, k, lead=(2,), seed=1), make(24, k, lead=(2,), seed=2)
+    f1 = cpu._form(w1)
+    for counts in ([8, 1], [7, 0], [2, 5]):
+        off = [0, counts[0], sum(counts)]
+        x = torch.randn(off[-1], k, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(sum(counts)))
+        xf = x.float()
+        assert_close(cpu._run(f1, x, off), R.grouped_linear(xf, torch.tensor(off), w1), grouped_absdot(xf, off, w1), EXACT)
+        h = cpu._swiglu_hidden(x, off, w1, w3).float()  # silu(x W1^T) * (x W3^T), rounded to bf16
+        for e in (e for e in range(2) if counts[e]):
+            rows = slice(off[e], off[e + 1])
+            we1, we3 = select_expert(w1, e), select_expert(w3, e)
+            a, b = R._linear_fp32(xf[rows], we1), R._linear_fp32(xf[rows], we3)
+            da = effective_x(xf[rows], we1).abs() @ dequantize_weight(we1).abs().T
+            db = effective_x(xf[rows], we3).abs() @ dequantize_weight(we3).abs().T
+            h_ref = torch.nn.functional.silu(a) * b
+            bound = EXACT * (1.1 * b.abs() * da + torch.nn.functional.silu(a).abs() * db) + 2.0**-7 * h_ref.abs()
+            assert ((h[rows] - h_ref).abs() <= bound + 1e-30).all()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_entry_gives_the_general_paths_bits(fmt, lib_isa):
     """One library call for decode (bf16 x in, bf16 out: cpu._decode_bf16) returns the bits of the
