@@ -521,8 +521,9 @@ static const int kDpRows = 8;  // activation rows per register tile (one decode 
 // staying in L1 for all of them; each row's running fp32 sums (MR x 16 lanes) wait in memory between
 // chunks (int4's and nvfp4's scaled sums in the same order as in one pass; w4a8's lanes are added
 // at chunk ends: another fp32 summation order, fixed for a shape). A 65536 x 5120 layer at 8 rows
-// there, alternating with one pass: w4a8 0.75x the time, int4 and nvfp4 the same; fp8 (1 KiB of a
-// row per chunk) 1.6x slower, so it stays in one pass.
+// there, alternating with one pass: w4a8 and nvfp4 with nvfp4 activations 0.7-0.75x the time,
+// int4 and nvfp4 with bf16 activations the same; fp8 (1 KiB of a row per chunk) 1.6x slower, so it
+// stays in one pass.
 static const int64_t kDpChunkBytes = 16 << 10;
 
 // Blocks (64 bytes of a weight row) per K chunk for MR activation rows, or all of them (one pass).
