@@ -15,9 +15,9 @@ import quantization
 from kernels import attention_layer, cpu
 from llama_lite.model import Attention
 
+from one_call import PROMPT, check_against_separate_calls
+
 ISAS = cpu.cpu_isas()
-PROMPT = torch.tensor([[1, 500, 1000, 1500, 2000]])
-NEXT = [42, 7, 99, 1234, 5, 600, 3, 8, 9, 10, 11, 12]  # positions 5..16: across the tiny preset's chunks of 8
 
 
 @pytest.fixture(scope="module", params=[("none", None), ("int4_mixed", None), ("int4_mixed", "all"), ("nvfp4", "all")],
@@ -45,15 +45,6 @@ def counted(monkeypatch):
     return n
 
 
-def _decode(model, layout: str):
-    model.setup_caches(layout=layout)
-    with torch.inference_mode():
-        model(PROMPT, 0)
-        logits = torch.cat([model(torch.tensor([[t]]), PROMPT.shape[1] + i)[:, -1] for i, t in enumerate(NEXT)])
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    return logits, [(a.cache.store.k.clone(), a.cache.store.v.clone()) for a in layers]
-
-
 @pytest.mark.parametrize("layout", ["by_kind", "full"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_matches_the_separate_calls(built, layout, isa, counted):
@@ -61,27 +52,7 @@ def test_matches_the_separate_calls(built, layout, isa, counted):
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     assert layers and all(a.one_token_impl is not None for a in layers)
     assert any(a.temperature_tuning for a in layers) and any(a.use_rope and a.use_qk_norm for a in layers)
-    cpu.set_isa(isa)
-    try:
-        got, got_caches = _decode(model, layout)
-        taken, declined = counted
-        if isa == "none":  # PyTorch only: the core's own path every time
-            assert taken == 0 and declined == len(NEXT) * len(layers)
-        else:  # every decode step of every layer, none in prefill
-            assert taken == len(NEXT) * len(layers) and declined == 0
-        impls = [a.one_token_impl for a in layers]
-        for a in layers:
-            a.one_token_impl = None
-        try:
-            want, want_caches = _decode(model, layout)
-        finally:
-            for a, impl in zip(layers, impls):
-                a.one_token_impl = impl
-    finally:
-        cpu.set_isa(None)
-    assert torch.equal(got, want), float((got - want).abs().max())
-    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
-        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    check_against_separate_calls(model, layers, layout, isa, counted, cpu)
 
 
 def test_declines_what_it_does_not_compute(tiny_ckpt, dist1, counted):

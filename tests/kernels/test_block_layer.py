@@ -13,11 +13,10 @@ import torch
 import kernels
 import quantization
 from kernels import block_layer, cpu
-from llama_lite.model import Attention
+
+from one_call import PROMPT, check_against_separate_calls
 
 ISAS = cpu.cpu_isas()
-PROMPT = torch.tensor([[1, 500, 1000, 1500, 2000]])
-NEXT = [42, 7, 99, 1234, 5, 600, 3, 8, 9, 10, 11, 12]  # positions 5..16: across the tiny preset's chunks of 8
 
 
 @pytest.fixture(scope="module", params=[("none", None), ("int4_mixed", None), ("int4_mixed", "all")],
@@ -42,15 +41,6 @@ def counted(monkeypatch):
     return n
 
 
-def _decode(model, layout: str):
-    model.setup_caches(layout=layout)
-    with torch.inference_mode():
-        model(PROMPT, 0)
-        logits = torch.cat([model(torch.tensor([[t]]), PROMPT.shape[1] + i)[:, -1] for i, t in enumerate(NEXT)])
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    return logits, [(a.cache.store.k.clone(), a.cache.store.v.clone()) for a in layers]
-
-
 @pytest.mark.parametrize("layout", ["by_kind", "full"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_matches_the_separate_calls(built, layout, isa, counted):
@@ -58,27 +48,7 @@ def test_matches_the_separate_calls(built, layout, isa, counted):
     blocks = list(model.layers)
     assert blocks and all(b.one_token_impl is not None for b in blocks)
     assert any(b.attention.temperature_tuning for b in blocks) and any(b.attention.use_rope for b in blocks)
-    cpu.set_isa(isa)
-    try:
-        got, got_caches = _decode(model, layout)
-        taken, declined = counted
-        if isa == "none":  # PyTorch only: the core's own path every time
-            assert taken == 0 and declined == len(NEXT) * len(blocks)
-        else:  # every decode step of every block, none in prefill
-            assert taken == len(NEXT) * len(blocks) and declined == 0
-        impls = [b.one_token_impl for b in blocks]
-        for b in blocks:
-            b.one_token_impl = None
-        try:
-            want, want_caches = _decode(model, layout)
-        finally:
-            for b, impl in zip(blocks, impls):
-                b.one_token_impl = impl
-    finally:
-        cpu.set_isa(None)
-    assert torch.equal(got, want), float((got - want).abs().max())
-    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
-        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    check_against_separate_calls(model, blocks, layout, isa, counted, cpu)
 
 
 def test_declines_what_its_layers_decline(tiny_ckpt, dist1, counted):
