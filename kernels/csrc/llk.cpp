@@ -403,10 +403,14 @@ static void gemv_impl(const LlkArgs& a) {
 // (decode4_dp: one shift and one vpermw per 32 values) for int4 / w4a8 with groups of a multiple
 // of 128 and nvfp4 with K a multiple of 128 (cpu.py _dp_order), else in tile order.
 
-//
+// 64-byte blocks of a weight row
+template <int WF>
+static inline int64_t row_blocks(const LlkArgs& a) {
+    return ((WF == W_FP8 ? a.K : a.K / 2) + 63) / 64;
+}
+
 // Blocks [b0, b1) of the row only (a K chunk, see dp_tile): `sums` carries each activation row's
 // running fp32 sums (16 lanes) from one chunk to the next; the last chunk reduces them into res.
-
 template <int WF, int SF, int MR>
 static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, const uint16_t* x,
                           const Tables& t, int64_t b0, int64_t b1, float* sums, float res[MR]) {
@@ -421,7 +425,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
     const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
     const void* srow = SF == S_NONE ? nullptr : (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
     const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
-    const int64_t nblk = (row_bytes + 63) / 64;
+    const int64_t nblk = row_blocks<WF>(a);
     const int64_t ngroups = a.gs > 0 ? a.K / a.gs : 0;
     __m512 acc[MR][NA], tot[MR];
     for (int m = 0; m < MR; m++) {
@@ -526,14 +530,14 @@ static const int kDpRows = 8;  // activation rows per register tile (one decode 
 // stays in one pass.
 static const int64_t kDpChunkBytes = 16 << 10;
 
-// Blocks (64 bytes of a weight row) per K chunk for MR activation rows, or all of them (one pass).
+// Blocks (64 bytes of a weight row, 128 4-bit values) per K chunk for MR activation rows, or all of
+// them (one pass).
 template <int WF>
 static int64_t dp_chunk_blocks(const LlkArgs& a, int mr) {
-    const int64_t nblk = ((WF == W_FP8 ? a.K : a.K / 2) + 63) / 64;
-    const int64_t per_block = WF == W_FP8 ? 64 : 128;  // K values per block
+    const int64_t nblk = row_blocks<WF>(a);
     const bool dp_order = (WF == W_INT4 && a.gs % 128 == 0) || (WF == W_FP4 && a.K % 128 == 0);
     if (!dp_order || (int64_t)mr * a.K * 2 <= kDpChunkBytes) return nblk;
-    int64_t cb = std::max<int64_t>(1, kDpChunkBytes / (2 * mr * per_block));
+    int64_t cb = std::max<int64_t>(1, kDpChunkBytes / (2 * mr * 128));
     if (WF == W_INT4) cb = (cb + a.gs / 128 - 1) / (a.gs / 128) * (a.gs / 128);  // whole groups
     return std::min(cb, nblk);
 }
@@ -541,7 +545,7 @@ static int64_t dp_chunk_blocks(const LlkArgs& a, int mr) {
 template <int WF, int SF, int MR>
 static void dp_tile(const LlkArgs& a, const Tables& t, int64_t e, int64_t n0, int64_t n1, int64_t r) {
     const uint16_t* x = (const uint16_t*)a.x + r * a.ldx;
-    const int64_t nblk = ((WF == W_FP8 ? a.K : a.K / 2) + 63) / 64, cb = dp_chunk_blocks<WF>(a, MR);
+    const int64_t nblk = row_blocks<WF>(a), cb = dp_chunk_blocks<WF>(a, MR);
     auto fac = [&](const LlkWeight& w, int64_t n) { return factor(w, e, n); };
     if (cb >= nblk) {
         gemv_tile_out<MR>(a, n0, n1, r, [&](const LlkWeight& w, int64_t n, float* res) {

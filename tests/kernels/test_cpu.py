@@ -157,17 +157,10 @@ def test_grouped_linear_with_empty_experts(fmt, isa):
         grouped_reference_check(x, offsets, w, EXACT)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int4_a8", "fp8", "w4a8", "nvfp4", "nvfp4_w4a4"])
-def test_swiglu_matches_reference(fmt, isa):
-    d, hidden = 128, 256  # W2 has K = hidden: a multiple of the int4 group size (128)
-    w1, w3 = FORMATS[fmt](hidden, d, lead=(3,), seed=1), FORMATS[fmt](hidden, d, lead=(3,), seed=2)
-    w2 = FORMATS[fmt](d, hidden, lead=(3,), seed=3)
-    x = torch.randn(40, d, dtype=torch.bfloat16)
-    offsets = torch.tensor([0, 2, 2, 40])  # a decode-sized, an empty and a prefill-sized expert
-    off = offsets.tolist()
-    # the fused W1/W3 pass: h within the fp32 bound of both products, plus one bf16 ulp of h
-    h = cpu._swiglu_hidden(x, off, w1, w3)
-    for e in (0, 2):
+def assert_swiglu_hidden(h, x, off, w1, w3):
+    """The fused W1/W3 pass's h = silu(x W1^T) * (x W3^T) (bf16) for each expert with rows: within the
+    fp32 bound of both products, plus one bf16 ulp of h."""
+    for e in (e for e in range(len(off) - 1) if off[e + 1] > off[e]):
         rows = slice(off[e], off[e + 1])
         we1, we3 = select_expert(w1, e), select_expert(w3, e)
         a, b = R._linear_fp32(x[rows], we1), R._linear_fp32(x[rows], we3)
@@ -176,6 +169,18 @@ def test_swiglu_matches_reference(fmt, isa):
         db = effective_x(x[rows], we3).abs() @ dequantize_weight(we3).abs().T
         bound = EXACT * (1.1 * b.abs() * da + torch.nn.functional.silu(a).abs() * db) + 2.0**-7 * h_ref.abs()
         assert ((h[rows].float() - h_ref).abs() <= bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int4_a8", "fp8", "w4a8", "nvfp4", "nvfp4_w4a4"])
+def test_swiglu_matches_reference(fmt, isa):
+    d, hidden = 128, 256  # W2 has K = hidden: a multiple of the int4 group size (128)
+    w1, w3 = FORMATS[fmt](hidden, d, lead=(3,), seed=1), FORMATS[fmt](hidden, d, lead=(3,), seed=2)
+    w2 = FORMATS[fmt](d, hidden, lead=(3,), seed=3)
+    x = torch.randn(40, d, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 2, 2, 40])  # a decode-sized, an empty and a prefill-sized expert
+    off = offsets.tolist()
+    h = cpu._swiglu_hidden(x, off, w1, w3)
+    assert_swiglu_hidden(h, x, off, w1, w3)
     # then W2 is an ordinary grouped call on that h
     out = cpu.grouped_swiglu(x, offsets, w1, w3, w2)
     assert torch.equal(out, cpu.grouped_linear(h, offsets, w2))
@@ -463,16 +468,7 @@ def test_long_rows_in_k_chunks(fmt, k, lib_isa):
         x = torch.randn(off[-1], k, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(sum(counts)))
         xf = x.float()
         assert_close(cpu._run(f1, x, off), R.grouped_linear(xf, torch.tensor(off), w1), grouped_absdot(xf, off, w1), EXACT)
-        h = cpu._swiglu_hidden(x, off, w1, w3).float()  # silu(x W1^T) * (x W3^T), rounded to bf16
-        for e in (e for e in range(2) if counts[e]):
-            rows = slice(off[e], off[e + 1])
-            we1, we3 = select_expert(w1, e), select_expert(w3, e)
-            a, b = R._linear_fp32(xf[rows], we1), R._linear_fp32(xf[rows], we3)
-            da = effective_x(xf[rows], we1).abs() @ dequantize_weight(we1).abs().T
-            db = effective_x(xf[rows], we3).abs() @ dequantize_weight(we3).abs().T
-            h_ref = torch.nn.functional.silu(a) * b
-            bound = EXACT * (1.1 * b.abs() * da + torch.nn.functional.silu(a).abs() * db) + 2.0**-7 * h_ref.abs()
-            assert ((h[rows] - h_ref).abs() <= bound + 1e-30).all()
+        assert_swiglu_hidden(cpu._swiglu_hidden(x, off, w1, w3), x, off, w1, w3)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
