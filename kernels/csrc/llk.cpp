@@ -411,7 +411,7 @@ static inline int64_t row_blocks(const LlkArgs& a) {
 
 // Blocks [b0, b1) of the row only (a K chunk, see dp_tile): `sums` carries each activation row's
 // running fp32 sums (16 lanes) from one chunk to the next; the last chunk reduces them into res.
-template <int WF, int SF, int MR>
+template <int WF, int SF, int MR, bool CHUNKED>
 static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, const uint16_t* x,
                           const Tables& t, int64_t b0, int64_t b1, float* sums, float res[MR]) {
     constexpr bool FOLD = WF == W_FP4 || (WF == W_INT4 && SF == S_E4M3);
@@ -427,6 +427,9 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
     const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
     const int64_t nblk = row_blocks<WF>(a);
     const int64_t ngroups = a.gs > 0 ? a.K / a.gs : 0;
+    // prefetch: one pass, kPrefetch bytes on along the row; a K chunk, the same bytes of the row one
+    // tile (kGemvTileN rows) on, which the next tile reads
+    const char* ahead = (const char*)wrow + (CHUNKED ? kGemvTileN * w.w_ldn : kPrefetch);
     __m512 acc[MR][NA], tot[MR];
     for (int m = 0; m < MR; m++) {
         for (int j = 0; j < NA; j++) acc[m][j] = _mm512_setzero_ps();
@@ -448,7 +451,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
     if (WF == W_FP8) {
         for (int64_t blk = b0; blk < b1; blk++) {
             __m512i z[2];
-            prefetch(wrow + 64 * blk);
+            _mm_prefetch(ahead + 64 * blk, _MM_HINT_T0);
             decode8_bf16(wrow + 64 * blk, mask64(row_bytes - 64 * blk), t, z);
             dot(64 * blk, z[0], 0);
             dot(64 * blk + 32, z[1], 1);
@@ -465,7 +468,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
             }
             for (int64_t blk = g * bpg; blk < (g + 1) * bpg; blk++) {
                 __m512i z[4];
-                prefetch(wrow + 64 * blk);
+                _mm_prefetch(ahead + 64 * blk, _MM_HINT_T0);
                 decode4_dp(wrow + 64 * blk, table, z);
                 for (int c = 0; c < 4; c++) dot(128 * blk + 32 * c, z[c], c);
             }
@@ -480,7 +483,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
         const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
         for (int64_t blk = b0; blk < b1; blk++) {
             __m512i z[4];
-            prefetch(wrow + 64 * blk);
+            _mm_prefetch(ahead + 64 * blk, _MM_HINT_T0);
             decode4_dp(wrow + 64 * blk, t.fp4_bf16, z);
             const __m512 sv = _mm512_permutexvar_ps(pairs, load_e4m3(s8 + 8 * blk, 8));
             for (int m = 0; m < MR; m++) {
@@ -498,7 +501,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
         int64_t left = cpg;                  // chunks before the current group ends
         for (int64_t blk = 0; blk < nblk; blk++) {
             __m512i z[4];
-            prefetch(wrow + 64 * blk);
+            _mm_prefetch(ahead + 64 * blk, _MM_HINT_T0);
             decode4_block<WF, SF, FOLD>(wrow + 64 * blk, row_bytes - 64 * blk, srow, blk, a.gs, ngroups, t, z);
             for (int c = 0; c < 4; c++) {
                 const int64_t cg = 4 * blk + c;
@@ -518,26 +521,35 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
 
 static const int kDpRows = 8;  // activation rows per register tile (one decode feeds them all)
 
-// K chunks (4-bit formats). Each dot product loads its 32 activations, so MR rows of x are read
-// once per weight row: at 8 rows of K 5120 (80 KiB, more than L1) from L2 (on a 2-core AMD EPYC Zen
-// 5, a loop of the int4 kernel with its weights in L2 issued 2.6 vdpbf16ps/ns so, 3.5-5 with x in
-// L1). Above kDpChunkBytes of x, a tile's weight rows run chunk by chunk of K, each chunk of x
-// staying in L1 for all of them; each row's running fp32 sums (MR x 16 lanes) wait in memory between
-// chunks (int4's and nvfp4's scaled sums in the same order as in one pass; w4a8's lanes are added
-// at chunk ends: another fp32 summation order, fixed for a shape). A 65536 x 5120 layer at 8 rows
-// there, alternating with one pass: w4a8 and nvfp4 with nvfp4 activations 0.7-0.75x the time,
-// int4 and nvfp4 with bf16 activations the same; fp8 (1 KiB of a row per chunk) 1.6x slower, so it
-// stays in one pass.
+// K chunks. Each dot product loads its 32 activations, so MR rows of x are read once per weight
+// row: at 8 rows of K 5120 (80 KiB, more than L1) from L2 (on a 2-core AMD EPYC Zen 5, a loop of
+// the int4 kernel with its weights in L2 issued 2.6 vdpbf16ps/ns so, 3.5-5 with x in L1). Above
+// kDpChunkBytes of x (fp8: twice that), a tile's weight rows run chunk by chunk of K, each chunk of
+// x staying in L1 for all of them; each row's running fp32 sums (MR x 16 lanes) wait in memory
+// between chunks (int4's and nvfp4's scaled sums in the same order as in one pass; w4a8's and
+// fp8's lanes are added at chunk ends: another fp32 summation order, fixed for a shape). A chunk
+// reads only a short piece of each weight row, too short for the prefetch along the row, so while
+// a tile runs its chunks each block prefetches the same block of the row one tile on (dp_row
+// CHUNKED): the next tile's weights arrive in cache over the time of this one. On that Zen 5, a
+// 65536 x 5120 layer at 8 rows, 2 threads, each variant a separate library in one process, calls
+// alternating: chunks with the prefetch along the row against chunks with the next tile's, min of
+// 11-15 calls: int4 17.0 -> 14.5 ms, w4a8 17.4 -> 13.9, nvfp4 21.4 -> 17.4; fp8 in one pass 21.5 ->
+// chunked 14.3 (chunked with the prefetch along the row it had been 1.6x slower than one pass). At 4
+// rows int4 10.8 -> 8.2, w4a8 9.8 -> 7.3. fp8 at 2 rows (20 KiB of x) is no faster chunked, so its
+// threshold is twice the 4-bit one.
 static const int64_t kDpChunkBytes = 16 << 10;
 
-// Blocks (64 bytes of a weight row, 128 4-bit values) per K chunk for MR activation rows, or all of
-// them (one pass).
+// Blocks (64 bytes of a weight row: 128 4-bit values, 64 fp8 ones) per K chunk for MR activation
+// rows, or all of them (one pass).
 template <int WF>
 static int64_t dp_chunk_blocks(const LlkArgs& a, int mr) {
     const int64_t nblk = row_blocks<WF>(a);
-    const bool dp_order = (WF == W_INT4 && a.gs % 128 == 0) || (WF == W_FP4 && a.K % 128 == 0);
-    if (!dp_order || (int64_t)mr * a.K * 2 <= kDpChunkBytes) return nblk;
-    int64_t cb = std::max<int64_t>(1, kDpChunkBytes / (2 * mr * 128));
+    const int64_t x_bytes = (int64_t)mr * a.K * 2;
+    if (WF == W_FP8 ? x_bytes <= 2 * kDpChunkBytes
+                    : !((WF == W_INT4 && a.gs % 128 == 0) || (WF == W_FP4 && a.K % 128 == 0)) || x_bytes <= kDpChunkBytes)
+        return nblk;  // one pass (the 4-bit formats' other layouts always)
+    const int64_t values = WF == W_FP8 ? 64 : 128;  // K values per block
+    int64_t cb = std::max<int64_t>(1, kDpChunkBytes / (2 * mr * values));
     if (WF == W_INT4) cb = (cb + a.gs / 128 - 1) / (a.gs / 128) * (a.gs / 128);  // whole groups
     return std::min(cb, nblk);
 }
@@ -549,7 +561,7 @@ static void dp_tile(const LlkArgs& a, const Tables& t, int64_t e, int64_t n0, in
     auto fac = [&](const LlkWeight& w, int64_t n) { return factor(w, e, n); };
     if (cb >= nblk) {
         gemv_tile_out<MR>(a, n0, n1, r, [&](const LlkWeight& w, int64_t n, float* res) {
-            dp_row<WF, SF, MR>(a, w, e, n, x, t, 0, nblk, nullptr, res);
+            dp_row<WF, SF, MR, false>(a, w, e, n, x, t, 0, nblk, nullptr, res);
         }, fac);  // fmt: skip
         return;
     }
@@ -559,8 +571,8 @@ static void dp_tile(const LlkArgs& a, const Tables& t, int64_t e, int64_t n0, in
     for (int64_t b0 = 0; b0 < nblk; b0 += cb) {
         const int64_t b1 = std::min(b0 + cb, nblk);
         for (int64_t n = n0; n < n1; n++) {
-            dp_row<WF, SF, MR>(a, a.w1, e, n, x, t, b0, b1, sums[0][n - n0], res[0][n - n0]);
-            if (swiglu) dp_row<WF, SF, MR>(a, a.w3, e, n, x, t, b0, b1, sums[1][n - n0], res[1][n - n0]);
+            dp_row<WF, SF, MR, true>(a, a.w1, e, n, x, t, b0, b1, sums[0][n - n0], res[0][n - n0]);
+            if (swiglu) dp_row<WF, SF, MR, true>(a, a.w3, e, n, x, t, b0, b1, sums[1][n - n0], res[1][n - n0]);
         }
     }
     gemv_tile_out<MR>(a, n0, n1, r, [&](const LlkWeight& w, int64_t n, float* out) {
