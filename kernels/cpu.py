@@ -28,8 +28,9 @@ reads fp8 / w4a8 / nvfp4 weights at memory speed (``torch._scaled_mm`` on CPU ta
 gets ~50, so bf16 layers (attention, output, mode none) use the libraries' bf16 GEMV too.
 
 int4 weights with ``int8_activations`` (an explicit option, kernels/formats.py): a few rows per
-expert through the AVX2 library's integer GEMV (``llk_gemv_q8``, on every x86 path), which
-quantizes the activations per 32 values exactly as the reference does; more rows on ``amx``
+expert through an integer GEMV (``llk_gemv_q8``: the AVX-512 library's, VNNI in zmm registers, on
+``amx`` and ``avx512`` where K and the group size are multiples of 128, else the AVX2 library's),
+which quantizes the activations per 32 values exactly as the reference does; more rows on ``amx``
 through ``llk_amx_q8``: the same quantization, int4 weights widened to int8 tiles and multiplied
 with TDPBSSD, each 32-value block's exact int32 sum read out and scaled in fp32 (the GEMV's
 numerics); on ``avx512`` through ``llk_dpq8``, the same with vpdpbusd in zmm registers; on
@@ -118,6 +119,16 @@ GEMV_MAX_ROWS = {
 # streaming read and batch 8 at 1.10x bf16; the fp32 tiles that took more rows before gave 0.26-0.30x
 # of bf16's speed on the 512-row layer with the GEMV up to 12 rows, 0.63x with it up to 64.
 INT8_GEMV_MAX_ROWS = {"amx": 3, "avx512": 8, "avx2": GEMV_MAX_ROWS["avx2"][W_INT4]}
+
+
+def q8_library(form: dict) -> ctypes.CDLL:
+    """The library whose integer GEMV (``llk_gemv_q8``) a weight with int8 activations takes: the
+    AVX-512 one (VNNI, 128-value steps) on amx and avx512 where K and the group size are multiples
+    of 128, else the AVX2 one. Both compute the same integer sums and fp32 scalings, in another
+    fp32 order."""
+    if form["path"] in ("amx", "avx512") and form["k"] % 128 == 0 and form["gs"] % 128 == 0:
+        return library("avx512")
+    return library("avx2")
 # How each path's GEMV multiplies activations that are exact in bf16 (few rows per expert; bf16
 # activations, or fp8 / nvfp4-quantized ones): "fp32" decodes weights to fp32 in registers for
 # fp32 FMAs (llk_gemv), "bf16" decodes them to bf16 (exact for every format) for vdpbf16ps with
@@ -507,8 +518,8 @@ def _io_plan(form: dict, form3: Optional[dict] = None) -> tuple:
     plan = form.get(key)
     if plan is None or (form3 is not None and plan[0] is not form3):
         lib_name = "avx2" if form["path"] == "avx2" else "avx512"
-        if form["act"] == "int8":  # the AVX2 library's integer GEMV on every path; it reads K order
-            perm, fn = torch.arange(form["k"]), library("avx2").llk_gemv_q8_bf16io
+        if form["act"] == "int8":  # an integer GEMV (q8_library); it reads K order
+            perm, fn = torch.arange(form["k"]), q8_library(form).llk_gemv_q8_bf16io
         elif gemv_dot(form["path"], form["wfmt"]) == "bf16":
             perm = _perm("avx512", _dp_order(form), form["wfmt"], form["k"])
             fn = gemv_lib(form["path"]).llk_gemv_dp_bf16io
@@ -673,12 +684,11 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
 
 
 def _run_int8(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict]) -> torch.Tensor:
-    """``_run`` for int4 weights with int8 activations: experts with few rows through the AVX2
-    library's integer GEMV (llk_gemv_q8, on every x86 path: AVX-512 CPUs run it too), which
-    quantizes the activations itself; experts with many rows through AMX int8 tiles on amx
-    (llk_amx_q8, which quantizes them the same way) or VNNI in registers on avx512 (llk_dpq8), on
-    avx2 the reference's dequantized int8 activations (exact in fp32) through the path for
-    unquantized activations."""
+    """``_run`` for int4 weights with int8 activations: experts with few rows through an integer
+    GEMV (llk_gemv_q8 of ``q8_library``: AVX-512 VNNI or AVX2), which quantizes the activations
+    itself; experts with many rows through AMX int8 tiles on amx (llk_amx_q8, which quantizes them
+    the same way) or VNNI in registers on avx512 (llk_dpq8), on avx2 the reference's dequantized
+    int8 activations (exact in fp32) through the path for unquantized activations."""
     e1, t = form["e"], x.shape[0]
     counts = [b - a for a, b in zip(off, off[1:])]
     limit = gemv_max_rows(form)
@@ -692,7 +702,7 @@ def _run_int8(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict]
         starts = _rows_array([off[i] if small[i] else 0 for i in range(e1)])
         ends = _rows_array([off[i + 1] if small[i] else 0 for i in range(e1)])
         args = _args(form, xf, None, out, starts, ends, form3)
-        _check(library("avx2").llk_gemv_q8(ctypes.byref(args)), "llk_gemv_q8")
+        _check(q8_library(form).llk_gemv_q8(ctypes.byref(args)), "llk_gemv_q8")
     if in_library:
         # integer products in the library (AMX tiles, or AVX-512 VNNI in registers), the
         # activations quantized there as the GEMV does it

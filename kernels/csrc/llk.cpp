@@ -554,14 +554,16 @@ static int64_t dp_chunk_blocks(const LlkArgs& a, int mr) {
     return std::min(cb, nblk);
 }
 
-template <int WF, int SF, int MR>
-static void dp_tile(const LlkArgs& a, const Tables& t, int64_t e, int64_t n0, int64_t n1, int64_t r) {
-    const uint16_t* x = (const uint16_t*)a.x + r * a.ldx;
-    const int64_t nblk = row_blocks<WF>(a), cb = dp_chunk_blocks<WF>(a, MR);
+// A tile's weight rows [n0, n1) against MR activation rows from r, in K chunks of cb of the row's
+// nblk blocks (one pass where cb >= nblk; see kDpChunkBytes): row(chunked, w, n, b0, b1, sums, res)
+// runs blocks [b0, b1) of weight row n, `chunked` a std::bool_constant (see dp_row).
+template <int MR, class Row>
+static void chunked_tile(const LlkArgs& a, int64_t e, int64_t n0, int64_t n1, int64_t r, int64_t nblk, int64_t cb,
+                         Row row) {
     auto fac = [&](const LlkWeight& w, int64_t n) { return factor(w, e, n); };
     if (cb >= nblk) {
         gemv_tile_out<MR>(a, n0, n1, r, [&](const LlkWeight& w, int64_t n, float* res) {
-            dp_row<WF, SF, MR, false>(a, w, e, n, x, t, 0, nblk, nullptr, res);
+            row(std::false_type{}, w, n, 0, nblk, nullptr, res);
         }, fac);  // fmt: skip
         return;
     }
@@ -571,13 +573,22 @@ static void dp_tile(const LlkArgs& a, const Tables& t, int64_t e, int64_t n0, in
     for (int64_t b0 = 0; b0 < nblk; b0 += cb) {
         const int64_t b1 = std::min(b0 + cb, nblk);
         for (int64_t n = n0; n < n1; n++) {
-            dp_row<WF, SF, MR, true>(a, a.w1, e, n, x, t, b0, b1, sums[0][n - n0], res[0][n - n0]);
-            if (swiglu) dp_row<WF, SF, MR, true>(a, a.w3, e, n, x, t, b0, b1, sums[1][n - n0], res[1][n - n0]);
+            row(std::true_type{}, a.w1, n, b0, b1, sums[0][n - n0], res[0][n - n0]);
+            if (swiglu) row(std::true_type{}, a.w3, n, b0, b1, sums[1][n - n0], res[1][n - n0]);
         }
     }
     gemv_tile_out<MR>(a, n0, n1, r, [&](const LlkWeight& w, int64_t n, float* out) {
         memcpy(out, res[&w == &a.w1 ? 0 : 1][n - n0], MR * sizeof(float));
     }, fac);  // fmt: skip
+}
+
+template <int WF, int SF, int MR>
+static void dp_tile(const LlkArgs& a, const Tables& t, int64_t e, int64_t n0, int64_t n1, int64_t r) {
+    const uint16_t* x = (const uint16_t*)a.x + r * a.ldx;
+    chunked_tile<MR>(a, e, n0, n1, r, row_blocks<WF>(a), dp_chunk_blocks<WF>(a, MR),
+                     [&](auto chunked, const LlkWeight& w, int64_t n, int64_t b0, int64_t b1, float* sums, float* res) {
+                         dp_row<WF, SF, MR, decltype(chunked)::value>(a, w, e, n, x, t, b0, b1, sums, res);
+                     });  // fmt: skip
 }
 
 template <int WF, int SF>
@@ -586,6 +597,133 @@ static void dp_impl(const LlkArgs& a) {
     gemv_tiles<kDpRows>(a, WF == W_FP8 ? a.K : a.K / 2, [&](int64_t e, int64_t n0, int64_t n1, int64_t r, int64_t rows) {
         with_rows<1, kDpRows>(rows, [&](auto R) { dp_tile<WF, SF, decltype(R)::value>(a, t, e, n0, n1, r); });
     });  // fmt: skip
+}
+
+// ------------------------------------------------------------------------------------------
+// int4 weights times int8 activations, few rows per expert: AVX-512 VNNI in registers
+//
+// The activations are quantized per 32 values as the reference does (q8_quant32) and laid out per
+// 128-value step of a row (kQ8vStep bytes): the step's even K (64 int8), its odd K (64), 16 int32
+// lanes with -8 * the sum of 32-value block j at lane 4j (zero elsewhere), and 16 fp32 lanes with
+// block j's scale at lanes 4j .. 4j + 3. A 64-byte weight block (128 values; byte b holds K 2b and
+// 2b + 1) gives its low nibbles (the even K) and high nibbles (the odd K) as unsigned u = q + 8;
+// two vpdpbusd started from the -8 sums leave in lane i the exact int32 sum of q * a over K 8i ..
+// 8i + 7 (block i / 4). Converted to fp32, times the block scales, summed over the weight group,
+// times the group scale: the AVX2 library's integer GEMV's operations (llk_avx2.cpp q8_row) in
+// 512-bit lanes, with a fifth of its vector instructions per weight and activation row.
+
+// x[0, 32) -> q (the even K, then the odd K, int8), the scale amax / 127 and the values' sum: the
+// reference's operations (kernels/reference.py quantize_int8_blocks), a = 0 where the scale is 0.
+static inline void q8_quant32(const float* xb, int8_t q[32], float* scale, int32_t* sum) {
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float sc = amax / 127.0f;
+    *scale = sc;
+    *sum = 0;
+    if (sc > 0.0f) {
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        const __m512 s = _mm512_set1_ps(sc), lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
+        auto quant = [&](__m512 v) {
+            __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            return _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(nlim, r)));
+        };
+        const __m512i qe = quant(_mm512_permutex2var_ps(x0, even, x1)), qo = quant(_mm512_permutex2var_ps(x0, odd, x1));
+        _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qe));
+        _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(qo));
+        *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qe, qo));
+    } else {
+        memset(q, 0, 32);
+    }
+}
+
+static const int64_t kQ8vStep = 256;  // bytes of one row's activations per 128 K values
+
+// fp32 rows x [rows, K] (row stride ldx, K % 128 == 0) -> out [rows][K / 128][kQ8vStep].
+static void q8v_pack_rows(const float* x, int64_t ldx, int64_t rows, int64_t K, uint8_t* out) {
+    const int64_t nsteps = K / 128;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t st = 0; st < nsteps; st++) {
+            uint8_t* o = out + (r * nsteps + st) * kQ8vStep;
+            int32_t* corr = (int32_t*)(o + 128);
+            float* scales = (float*)(o + 192);
+            memset(corr, 0, 64);
+            for (int j = 0; j < 4; j++) {
+                alignas(16) int8_t q[32];
+                float sc;
+                int32_t sum;
+                q8_quant32(x + r * ldx + 128 * st + 32 * j, q, &sc, &sum);
+                memcpy(o + 16 * j, q, 16);
+                memcpy(o + 64 + 16 * j, q + 16, 16);
+                corr[4 * j] = -8 * sum;
+                for (int l = 0; l < 4; l++) scales[4 * j + l] = sc;
+            }
+        }
+}
+
+// Steps [s0, s1) of weight row n against MR packed activation rows (xq, xstride bytes apart), sums
+// and res as dp_row's (CHUNKED: a K chunk, prefetching the next tile's rows).
+template <int SF, int MR, bool CHUNKED>
+static inline void q8v_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n, const uint8_t* xq,
+                           int64_t xstride, const Tables& t, int64_t s0, int64_t s1, float* sums, float res[MR]) {
+    const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
+    const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
+    const void* srow = (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+    const char* ahead = (const char*)wrow + (CHUNKED ? kGemvTileN * w.w_ldn : kPrefetch);
+    const int64_t nsteps = a.K / 128, sps = a.gs / 128;  // steps per group
+    const __m512i m4 = _mm512_set1_epi8(0x0F), x88 = _mm512_set1_epi8((char)0x88);
+    __m512 tot[MR];
+    for (int m = 0; m < MR; m++) tot[m] = s0 > 0 ? _mm512_load_ps(sums + 16 * m) : _mm512_setzero_ps();
+    for (int64_t g = s0 / sps; g < s1 / sps; g++) {
+        __m512 acc[MR];
+        for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t st = g * sps; st < (g + 1) * sps; st++) {
+            _mm_prefetch(ahead + 64 * st, _MM_HINT_T0);
+            const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(wrow + 64 * st), x88);
+            const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            for (int m = 0; m < MR; m++) {
+                const uint8_t* p = xq + m * xstride + kQ8vStep * st;
+                __m512i i32 = _mm512_load_si512(p + 128);
+                i32 = _mm512_dpbusd_epi32(i32, lo, _mm512_load_si512(p));
+                i32 = _mm512_dpbusd_epi32(i32, hi, _mm512_load_si512(p + 64));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), _mm512_load_ps((const float*)(p + 192)), acc[m]);
+            }
+        }
+        const __m512 sc = _mm512_set1_ps(scale_at<SF>(srow, g, t));
+        for (int m = 0; m < MR; m++) tot[m] = _mm512_fmadd_ps(acc[m], sc, tot[m]);
+    }
+    for (int m = 0; m < MR; m++) {
+        if (s1 < nsteps) _mm512_store_ps(sums + 16 * m, tot[m]);
+        else res[m] = _mm512_reduce_add_ps(tot[m]);
+    }
+}
+
+template <int SF>
+static void q8v_impl(const LlkArgs& a) {
+    const Tables& t = tables();
+    int64_t first = INT64_MAX, last = 0;
+    for (int64_t e = 0; e < a.E; e++)
+        if (a.row_end[e] > a.row_start[e]) first = std::min(first, a.row_start[e]), last = std::max(last, a.row_end[e]);
+    if (first >= last) return;
+    const int64_t nsteps = a.K / 128, xstride = nsteps * kQ8vStep, sps = a.gs / 128;
+    struct alignas(64) Line { uint8_t b[64]; };
+    thread_local std::vector<Line> buf;  // 64-byte aligned (C++17's aligned new)
+    buf.resize((size_t)((last - first) * xstride / 64));
+    uint8_t* xq = (uint8_t*)buf.data();
+    q8v_pack_rows((const float*)a.x + first * a.ldx, a.ldx, last - first, a.K, xq);
+    gemv_tiles<kDpRows>(a, a.K / 2, [&](int64_t e, int64_t n0, int64_t n1, int64_t r, int64_t rows) {
+        with_rows<1, kDpRows>(rows, [&](auto R) {
+            constexpr int MR = decltype(R)::value;
+            // K chunks as the dot-product GEMV's (kDpChunkBytes of packed activations), whole groups
+            int64_t cb = nsteps;
+            if (MR * xstride > kDpChunkBytes) cb = std::min(nsteps, (std::max<int64_t>(1, kDpChunkBytes / (MR * kQ8vStep)) + sps - 1) / sps * sps);
+            const uint8_t* x = xq + (r - first) * xstride;
+            chunked_tile<MR>(a, e, n0, n1, r, nsteps, cb,
+                             [&](auto chunked, const LlkWeight& w, int64_t n, int64_t s0, int64_t s1, float* sums, float* res) {
+                                 q8v_row<SF, MR, decltype(chunked)::value>(a, w, e, n, x, xstride, t, s0, s1, sums, res);
+                             });  // fmt: skip
+        });
+    });
 }
 
 // ------------------------------------------------------------------------------------------
@@ -961,28 +1099,10 @@ static void amx_q8_thread_init() { tile_config(32, 8); }  // int8: A 16 rows x 3
 // One 32-value block of fp32 activations -> row m of a B tile (8 quads x 16 rows x 4 int8, tile
 // order), its scale and 8 x the sum of its int8 values (llk_dpq8's correction).
 static inline void q8_pack_block(const float* xb, int8_t* tile, float* scale, int32_t* sum8, int m) {
-    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const float sc = amax / 127.0f;
     alignas(16) int8_t q[32];
-    int32_t sum = 0;
-    if (sc > 0.0f) {
-        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-        const __m512 s = _mm512_set1_ps(sc), lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
-        auto quant = [&](__m512 v) {
-            __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            return _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(nlim, r)));
-        };
-        const __m512i qe = quant(_mm512_permutex2var_ps(x0, even, x1)), qo = quant(_mm512_permutex2var_ps(x0, odd, x1));
-        _mm_store_si128((__m128i*)q, _mm512_cvtepi32_epi8(qe));
-        _mm_store_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(qo));
-        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qe, qo));
-    } else {
-        memset(q, 0, sizeof q);
-    }
+    int32_t sum;
+    q8_quant32(xb, q, scale, &sum);
     for (int i = 0; i < 8; i++) memcpy(tile + 64 * i + 4 * m, q + 4 * i, 4);
-    *scale = sc;
     *sum8 = 8 * sum;
 }
 
@@ -1526,6 +1646,22 @@ int llk_gemv_dp(const LlkArgs* a) {
 int llk_gemv_dp_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x,
                        int64_t ldx, uint16_t* out, int64_t ldo) {
     return gemv_bf16_io<uint16_t>(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv_dp);
+}
+
+// int4 weights with int8 activations (fp32 x in K order, quantized here per 32 values), few rows
+// per expert: AVX-512 VNNI (q8v_row). -1 where K or the group size is not a multiple of 128.
+int llk_gemv_q8(const LlkArgs* a) {
+    if (!supported(a) || a->wfmt != W_INT4 || a->K % 128 || a->gs % 128) return -1;
+    if (a->sfmt == S_BF16) q8v_impl<S_BF16>(*a);
+    else if (a->sfmt == S_F32) q8v_impl<S_F32>(*a);
+    else q8v_impl<S_E4M3>(*a);
+    return 0;
+}
+
+// llk_gemv_q8 for bf16 x and bf16 results (gemv_bf16_io with perm = 0..K-1).
+int llk_gemv_q8_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_t rows, const uint16_t* x,
+                       int64_t ldx, uint16_t* out, int64_t ldo) {
+    return gemv_bf16_io<float>(a, perm, kp, rows, x, ldx, out, ldo, llk_gemv_q8);
 }
 
 // Rows of one expert e with AMX: x is bf16 in tile order, `kp` (a multiple of 32) wide.

@@ -451,13 +451,14 @@ def test_bf16_activations_keep_fp32_numerics(fmt, lib_isa):
 
 
 @pytest.mark.parametrize("fmt, k", [("int4", 2176), ("int4_g256", 2816), ("int4_g512", 2560), ("fp8", 2200),
-                                    ("w4a8", 2176), ("nvfp4", 2176), ("nvfp4_w4a4", 2176)])  # fmt: skip
+                                    ("w4a8", 2176), ("nvfp4", 2176), ("nvfp4_w4a4", 2176), ("int4_a8", 2176)])  # fmt: skip
 def test_long_rows_in_k_chunks(fmt, k, lib_isa):
     """Rows long enough that several activation rows overflow L1: the bf16 dot-product GEMV runs in K
     chunks (llk.cpp dp_tile; a short last chunk, chunks on group boundaries for int4's 256- and
     512-value groups; fp8 with K not a multiple of its 64-value block chunked at 8 rows, in one pass
-    at 7 and fewer): the fp32 bound against the reference, for the fused SwiGLU too, at row counts
-    that split and one that does not."""
+    at 7 and fewer), and the integer GEMV of int4 with int8 activations the same way: the fp32
+    bound against the reference, for the fused SwiGLU too, at row counts that split and one that
+    does not."""
     make = {"int4_g256": lambda n, kk, **kw: int4_weight(n, kk, gs=256, **kw),
             "int4_g512": lambda n, kk, **kw: int4_weight(n, kk, gs=512, scale_dtype=torch.float32, **kw)}.get(fmt)
     make = make or FORMATS[fmt]
