@@ -108,8 +108,8 @@ GEMV_MAX_ROWS = {
     "avx512": {W_INT4: 12, W_FP4: 12, W_FP8: 16},
     "avx2": {W_INT4: 64, W_FP4: 64, W_FP8: 64},
 }
-# Rows of one expert up to which int4 with int8 activations takes the integer GEMV (the AVX2
-# library's on every path): amx multiplies more rows with AMX int8 tiles (llk_amx_q8; on the AMX
+# Rows of one expert up to which int4 with int8 activations takes the integer GEMV (q8_library;
+# the measurements below were of the AVX2 library's, on every path then): amx multiplies more rows with AMX int8 tiles (llk_amx_q8; on the AMX
 # Xeon, the [131072, 5120] stack, each in its own process: 3 rows 19.3 ms by the GEMV against
 # 25.9 by tiles, 4 rows 27.5 against 26.4); avx512 multiplies more rows with VNNI in registers
 # (llk_dpq8), measured so far only on the AMX Xeon under the avx512 cap (each in its own process):

@@ -472,6 +472,24 @@ def test_long_rows_in_k_chunks(fmt, k, lib_isa):
         assert_swiglu_hidden(cpu._swiglu_hidden(x, off, w1, w3), x, off, w1, w3)
 
 
+def test_int8_gemv_library_by_shape(lib_isa):
+    """int4 with int8 activations takes the AVX-512 library's VNNI GEMV on amx and avx512 where K
+    and the group size are multiples of 128, the AVX2 library's elsewhere: each within the fp32
+    bound of the reference, for 1 to 8 rows, the fused SwiGLU too."""
+    for gs, k in ((128, 640), (64, 640), (64, 576)):
+        make = lambda n, kk, **kw: dataclasses.replace(int4_weight(n, kk, gs=gs, **kw), int8_activations=True)
+        w1, w3 = make(24, k, lead=(2,), seed=gs), make(24, k, lead=(2,), seed=gs + 1)
+        f1 = cpu._form(w1)
+        vnni = lib_isa in ("amx", "avx512") and gs % 128 == 0 and k % 128 == 0
+        assert cpu.q8_library(f1) is cpu_lib.library("avx512" if vnni else "avx2")
+        for counts in ([1, 0], [3, 5], [8, 2]):
+            off = [0, counts[0], sum(counts)]
+            x = torch.randn(off[-1], k, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(k + sum(counts)))
+            xf = x.float()
+            assert_close(cpu._run(f1, x, off), R.grouped_linear(xf, torch.tensor(off), w1), grouped_absdot(xf, off, w1), EXACT)
+            assert_swiglu_hidden(cpu._swiglu_hidden(x, off, w1, w3), x, off, w1, w3)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_entry_gives_the_general_paths_bits(fmt, lib_isa):
     """One library call for decode (bf16 x in, bf16 out: cpu._decode_bf16) returns the bits of the
