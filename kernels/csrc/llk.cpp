@@ -1652,9 +1652,7 @@ int llk_gemv_dp_bf16io(const LlkArgs* a, const int32_t* perm, int64_t kp, int64_
 // per expert: AVX-512 VNNI (q8v_row). -1 where K or the group size is not a multiple of 128.
 int llk_gemv_q8(const LlkArgs* a) {
     if (!supported(a) || a->wfmt != W_INT4 || a->K % 128 || a->gs % 128) return -1;
-    if (a->sfmt == S_BF16) q8v_impl<S_BF16>(*a);
-    else if (a->sfmt == S_F32) q8v_impl<S_F32>(*a);
-    else q8v_impl<S_E4M3>(*a);
+    LLK_INT4_SCALES(q8v_impl, *a);
     return 0;
 }
 

@@ -956,9 +956,7 @@ int llk_gemv(const LlkArgs* a) {
 // (see q8_impl); x is fp32 in K order, rows [row_start, row_end) of each expert.
 int llk_gemv_q8(const LlkArgs* a) {
     if (a->wfmt != W_INT4 || a->sfmt == S_NONE || a->gs <= 0 || a->gs % 64 || a->K % a->gs) return -1;
-    if (a->sfmt == S_BF16) q8_impl<S_BF16>(*a);
-    else if (a->sfmt == S_F32) q8_impl<S_F32>(*a);
-    else q8_impl<S_E4M3>(*a);
+    LLK_INT4_SCALES(q8_impl, *a);
     return 0;
 }
 

@@ -48,6 +48,14 @@ struct LlkArgs {
     LlkWeight w3;              // SwiGLU: w3.w != null and out = silu(x W1^T) * (x W3^T)
 };
 
+// FN<SF>(...) for an int4 weight's scale format (bf16, fp32 or e4m3), `a` the LlkArgs pointer
+#define LLK_INT4_SCALES(FN, ...)                                 \
+    do {                                                         \
+        if (a->sfmt == S_BF16) FN<S_BF16>(__VA_ARGS__);          \
+        else if (a->sfmt == S_F32) FN<S_F32>(__VA_ARGS__);       \
+        else FN<S_E4M3>(__VA_ARGS__);                            \
+    } while (0)
+
 // ------------------------------------------------------------------------------------------
 // table helpers
 
