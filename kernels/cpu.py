@@ -109,15 +109,16 @@ GEMV_MAX_ROWS = {
     "avx2": {W_INT4: 64, W_FP4: 64, W_FP8: 64},
 }
 # Rows of one expert up to which int4 with int8 activations takes the integer GEMV (q8_library;
-# the measurements below were of the AVX2 library's, on every path then): amx multiplies more rows with AMX int8 tiles (llk_amx_q8; on the AMX
-# Xeon, the [131072, 5120] stack, each in its own process: 3 rows 19.3 ms by the GEMV against
-# 25.9 by tiles, 4 rows 27.5 against 26.4); avx512 multiplies more rows with VNNI in registers
-# (llk_dpq8), measured so far only on the AMX Xeon under the avx512 cap (each in its own process):
-# the stack at 4 rows 25 ms by the GEMV against 33, at 8 rows 45 against 34-37, at 16 96 against
-# 37; a 16-expert SwiGLU layer (D 1024, F 2048) at 512 rows, 32 per expert, 37-39 against 9.1-9.3.
-# The GEMV keeps up to 8 rows there, as on Zen 4 (2 cores) it ran a batch-1 int4 GEMV at 97% of a
-# streaming read and batch 8 at 1.10x bf16; the fp32 tiles that took more rows before gave 0.26-0.30x
-# of bf16's speed on the 512-row layer with the GEMV up to 12 rows, 0.63x with it up to 64.
+# the measurements below were of the AVX2 library's, then on every path): amx multiplies more rows
+# with AMX int8 tiles (llk_amx_q8; on the AMX Xeon, the [131072, 5120] stack, each in its own
+# process: 3 rows 19.3 ms by the GEMV against 25.9 by tiles, 4 rows 27.5 against 26.4); avx512
+# multiplies more rows with VNNI in registers (llk_dpq8), measured so far only on the AMX Xeon under
+# the avx512 cap (each in its own process): the stack at 4 rows 25 ms by the GEMV against 33, at 8
+# rows 45 against 34-37, at 16 96 against 37; a 16-expert SwiGLU layer (D 1024, F 2048) at 512
+# rows, 32 per expert, 37-39 against 9.1-9.3. The GEMV keeps up to 8 rows there, as on Zen 4 (2
+# cores) it ran a batch-1 int4 GEMV at 97% of a streaming read and batch 8 at 1.10x bf16; the fp32
+# tiles that took more rows before gave 0.26-0.30x of bf16's speed on the 512-row layer with the
+# GEMV up to 12 rows, 0.63x with it up to 64.
 INT8_GEMV_MAX_ROWS = {"amx": 3, "avx512": 8, "avx2": GEMV_MAX_ROWS["avx2"][W_INT4]}
 
 
@@ -129,6 +130,8 @@ def q8_library(form: dict) -> ctypes.CDLL:
     if form["path"] in ("amx", "avx512") and form["k"] % 128 == 0 and form["gs"] % 128 == 0:
         return library("avx512")
     return library("avx2")
+
+
 # How each path's GEMV multiplies activations that are exact in bf16 (few rows per expert; bf16
 # activations, or fp8 / nvfp4-quantized ones): "fp32" decodes weights to fp32 in registers for
 # fp32 FMAs (llk_gemv), "bf16" decodes them to bf16 (exact for every format) for vdpbf16ps with

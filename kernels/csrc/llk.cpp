@@ -535,8 +535,8 @@ static const int kDpRows = 8;  // activation rows per register tile (one decode 
 // alternating: chunks with the prefetch along the row against chunks with the next tile's, min of
 // 11-15 calls: int4 17.0 -> 14.5 ms, w4a8 17.4 -> 13.9, nvfp4 21.4 -> 17.4; fp8 in one pass 21.5 ->
 // chunked 14.3 (chunked with the prefetch along the row it had been 1.6x slower than one pass). At 4
-// rows int4 10.8 -> 8.2, w4a8 9.8 -> 7.3. fp8 at 2 rows (20 KiB of x) is no faster chunked, so its
-// threshold is twice the 4-bit one.
+// rows int4 10.8 -> 8.2, w4a8 9.8 -> 7.3. fp8 at 2 rows (20 KiB of x) was slower chunked (11.5
+// against 8.7 ms), so its threshold is twice the 4-bit one.
 static const int64_t kDpChunkBytes = 16 << 10;
 
 // Blocks (64 bytes of a weight row: 128 4-bit values, 64 fp8 ones) per K chunk for MR activation
@@ -610,7 +610,7 @@ static void dp_impl(const LlkArgs& a) {
 // two vpdpbusd started from the -8 sums leave in lane i the exact int32 sum of q * a over K 8i ..
 // 8i + 7 (block i / 4). Converted to fp32, times the block scales, summed over the weight group,
 // times the group scale: the AVX2 library's integer GEMV's operations (llk_avx2.cpp q8_row) in
-// 512-bit lanes, with a fifth of its vector instructions per weight and activation row.
+// 512-bit lanes, with under a third of its vector instructions per weight and activation row.
 
 // x[0, 32) -> q (the even K, then the odd K, int8), the scale amax / 127 and the values' sum: the
 // reference's operations (kernels/reference.py quantize_int8_blocks), a = 0 where the scale is 0.
@@ -714,9 +714,13 @@ static void q8v_impl(const LlkArgs& a) {
     gemv_tiles<kDpRows>(a, a.K / 2, [&](int64_t e, int64_t n0, int64_t n1, int64_t r, int64_t rows) {
         with_rows<1, kDpRows>(rows, [&](auto R) {
             constexpr int MR = decltype(R)::value;
-            // K chunks as the dot-product GEMV's (kDpChunkBytes of packed activations), whole groups
+            // one pass, or K chunks as the dot-product GEMV's: kDpChunkBytes of packed activations,
+            // rounded up to whole groups
             int64_t cb = nsteps;
-            if (MR * xstride > kDpChunkBytes) cb = std::min(nsteps, (std::max<int64_t>(1, kDpChunkBytes / (MR * kQ8vStep)) + sps - 1) / sps * sps);
+            if (MR * xstride > kDpChunkBytes) {
+                const int64_t steps = std::max<int64_t>(1, kDpChunkBytes / (MR * kQ8vStep));
+                cb = std::min(nsteps, (steps + sps - 1) / sps * sps);
+            }
             const uint8_t* x = xq + (r - first) * xstride;
             chunked_tile<MR>(a, e, n0, n1, r, nsteps, cb,
                              [&](auto chunked, const LlkWeight& w, int64_t n, int64_t s0, int64_t s1, float* sums, float* res) {
