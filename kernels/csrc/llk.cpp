@@ -409,6 +409,14 @@ static inline int64_t row_blocks(const LlkArgs& a) {
     return ((WF == W_FP8 ? a.K : a.K / 2) + 63) / 64;
 }
 
+// Where a row kernel's prefetches start (it adds each block's offset): in one pass kPrefetch bytes
+// on along the row; in a K chunk the same bytes of the row one tile (kGemvTileN rows) on, which the
+// next tile reads (see kDpChunkBytes).
+template <bool CHUNKED>
+static inline const char* prefetch_origin(const uint8_t* wrow, const LlkWeight& w) {
+    return (const char*)wrow + (CHUNKED ? kGemvTileN * w.w_ldn : kPrefetch);
+}
+
 // Blocks [b0, b1) of the row only (a K chunk, see dp_tile): `sums` carries each activation row's
 // running fp32 sums (16 lanes) from one chunk to the next; the last chunk reduces them into res.
 template <int WF, int SF, int MR, bool CHUNKED>
@@ -418,8 +426,8 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
     constexpr bool FLUSH = WF == W_INT4 && !FOLD;
     // accumulators per row: enough independent chains, no spills. vdpbf16ps has ~6 cycles of latency
     // and two pipes on Zen 5: one accumulator per row at 8 rows kept fp8 there at ~60% of the speed
-    // of two (a 65536 x 5120 layer, 8 rows, alternating: 33-35 -> 20-21 ms); int4's group sums (tot)
-    // leave no registers for a second one
+    // of two (a 65536 x 5120 layer, 8 rows, alternating: 33-35 -> 20-21 ms); for int4, whose group
+    // sums (tot) take 8 more registers, a second one changed nothing measurable at 6 and 8 rows
     constexpr int NA = MR >= 5 ? 2 - FLUSH : 2;
     const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
     const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
@@ -427,9 +435,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
     const int64_t row_bytes = WF == W_FP8 ? a.K : a.K / 2;
     const int64_t nblk = row_blocks<WF>(a);
     const int64_t ngroups = a.gs > 0 ? a.K / a.gs : 0;
-    // prefetch: one pass, kPrefetch bytes on along the row; a K chunk, the same bytes of the row one
-    // tile (kGemvTileN rows) on, which the next tile reads
-    const char* ahead = (const char*)wrow + (CHUNKED ? kGemvTileN * w.w_ldn : kPrefetch);
+    const char* ahead = prefetch_origin<CHUNKED>(wrow, w);
     __m512 acc[MR][NA], tot[MR];
     for (int m = 0; m < MR; m++) {
         for (int j = 0; j < NA; j++) acc[m][j] = _mm512_setzero_ps();
@@ -669,7 +675,7 @@ static inline void q8v_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int6
     const int64_t el = SF == S_F32 ? 4 : SF == S_BF16 ? 2 : 1;
     const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
     const void* srow = (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
-    const char* ahead = (const char*)wrow + (CHUNKED ? kGemvTileN * w.w_ldn : kPrefetch);
+    const char* ahead = prefetch_origin<CHUNKED>(wrow, w);
     const int64_t nsteps = a.K / 128, sps = a.gs / 128;  // steps per group
     const __m512i m4 = _mm512_set1_epi8(0x0F), x88 = _mm512_set1_epi8((char)0x88);
     __m512 tot[MR];
