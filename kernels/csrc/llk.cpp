@@ -462,9 +462,30 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
             dot(64 * blk, z[0], 0);
             dot(64 * blk + 32, z[1], 1);
         }
+    } else if (FLUSH && a.gs == 128) {
+        // int4 in groups of 128 (the default; x in "dp" order), one block per group: per row the
+        // block's four dot products in two fresh chains, their sum times the group's scale into
+        // tot; nothing but tot stays live from block to block. Against the loop below (shared
+        // accumulators, one chain per row at 5-8 rows, flushed per group), 2 Zen 5 cores, a 65536 x
+        // 5120 layer, the two alternating in one process: 8 rows 15.5 -> 13.8 ms, 4 rows 8.7 -> 7.5,
+        // 2 rows 5.1 -> 4.6; batch 1 the same
+        for (int64_t blk = b0; blk < b1; blk++) {
+            __m512i z[4];
+            _mm_prefetch(ahead + 64 * blk, _MM_HINT_T0);
+            decode4_dp(wrow + 64 * blk, t.int4_bf16, z);
+            const __m512 sc = _mm512_set1_ps(scale_at<SF>(srow, blk, t));
+            for (int m = 0; m < MR; m++) {
+                const uint16_t* xb = x + m * a.ldx + 128 * blk;
+                __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[0], (__m512bh)_mm512_loadu_si512(xb));
+                __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[1], (__m512bh)_mm512_loadu_si512(xb + 32));
+                d0 = _mm512_dpbf16_ps(d0, (__m512bh)z[2], (__m512bh)_mm512_loadu_si512(xb + 64));
+                d1 = _mm512_dpbf16_ps(d1, (__m512bh)z[3], (__m512bh)_mm512_loadu_si512(xb + 96));
+                tot[m] = _mm512_fmadd_ps(_mm512_add_ps(d0, d1), sc, tot[m]);
+            }
+        }
     } else if (WF == W_INT4 && a.gs % 128 == 0) {
-        // the common case: whole blocks per group; x in "dp" order. int4: one flush per group;
-        // w4a8: the group's e4m3 scale folded into the table (exact in bf16)
+        // whole blocks per group; x in "dp" order. int4: one flush per group; w4a8: the group's
+        // e4m3 scale folded into the table (exact in bf16)
         const int64_t bpg = a.gs / 128;
         __m512i table = t.int4_bf16;
         for (int64_t g = b0 / bpg; g < b1 / bpg; g++) {
