@@ -417,6 +417,46 @@ static inline const char* prefetch_origin(const uint8_t* wrow, const LlkWeight& 
     return (const char*)wrow + (CHUNKED ? kGemvTileN * w.w_ldn : kPrefetch);
 }
 
+// dp_row for int4 in groups of 128 (the default; x in "dp" order), one block per group: per row the
+// block's four dot products in two fresh chains, their sum times the group's scale into tot; nothing
+// but tot stays live from block to block. A function of its own: inside dp_row, which holds every
+// format's accumulators, GCC kept this loop's state on the stack around it (per call: per row and K
+// chunk). On 2 Zen 5 cores, a 65536 x 5120 layer, three libraries in one process called in turn
+// (min of 13): dp_row's shared accumulators (one chain per row at 5-8 rows, flushed per group) /
+// this loop inside dp_row / this function: 8 rows 13.8 / 12.0 / 10.9 ms, 4 rows 7.4 / 6.5 / 6.4,
+// 2 rows 4.5 / 4.0 / 4.1, batch 1 3.2 / 3.4 / 3.3 (noise); 202048 x 2048 at 8 rows 19.3 -> 15.5
+// (first against last); x and weights in L2, 8 rows: 3.2 / 3.6 / 4.0 vdpbf16ps per ns.
+template <int SF, int MR, bool CHUNKED>
+__attribute__((noinline)) static void dp_row_int4_g128(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n,
+                                                       const uint16_t* x, const Tables& t, int64_t b0, int64_t b1,
+                                                       float* sums, float res[MR]) {
+    const uint8_t* wrow = w.w + e * w.w_estride + n * w.w_ldn;
+    const int64_t el = SF == S_F32 ? 4 : 2;
+    const void* srow = (const uint8_t*)w.s + (e * w.s_estride + n * w.s_ldn) * el;
+    const int64_t nblk = a.K / 128;
+    const char* ahead = prefetch_origin<CHUNKED>(wrow, w);
+    __m512 tot[MR];
+    for (int m = 0; m < MR; m++) tot[m] = b0 > 0 ? _mm512_load_ps(sums + 16 * m) : _mm512_setzero_ps();
+    for (int64_t blk = b0; blk < b1; blk++) {
+        __m512i z[4];
+        _mm_prefetch(ahead + 64 * blk, _MM_HINT_T0);
+        decode4_dp(wrow + 64 * blk, t.int4_bf16, z);
+        const __m512 sc = _mm512_set1_ps(scale_at<SF>(srow, blk, t));
+        for (int m = 0; m < MR; m++) {
+            const uint16_t* xb = x + m * a.ldx + 128 * blk;
+            __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[0], (__m512bh)_mm512_loadu_si512(xb));
+            __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[1], (__m512bh)_mm512_loadu_si512(xb + 32));
+            d0 = _mm512_dpbf16_ps(d0, (__m512bh)z[2], (__m512bh)_mm512_loadu_si512(xb + 64));
+            d1 = _mm512_dpbf16_ps(d1, (__m512bh)z[3], (__m512bh)_mm512_loadu_si512(xb + 96));
+            tot[m] = _mm512_fmadd_ps(_mm512_add_ps(d0, d1), sc, tot[m]);
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        if (b1 < nblk) _mm512_store_ps(sums + 16 * m, tot[m]);
+        else res[m] = _mm512_reduce_add_ps(tot[m]);
+    }
+}
+
 // Blocks [b0, b1) of the row only (a K chunk, see dp_tile): `sums` carries each activation row's
 // running fp32 sums (16 lanes) from one chunk to the next; the last chunk reduces them into res.
 template <int WF, int SF, int MR, bool CHUNKED>
@@ -424,6 +464,9 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
                           const Tables& t, int64_t b0, int64_t b1, float* sums, float res[MR]) {
     constexpr bool FOLD = WF == W_FP4 || (WF == W_INT4 && SF == S_E4M3);
     constexpr bool FLUSH = WF == W_INT4 && !FOLD;
+    if constexpr (FLUSH) {
+        if (a.gs == 128) return dp_row_int4_g128<SF, MR, CHUNKED>(a, w, e, n, x, t, b0, b1, sums, res);
+    }
     // accumulators per row: enough independent chains, no spills. vdpbf16ps has ~6 cycles of latency
     // and two pipes on Zen 5: one accumulator per row at 8 rows kept fp8 there at ~60% of the speed
     // of two (a 65536 x 5120 layer, 8 rows, alternating: 33-35 -> 20-21 ms); for int4, whose group
@@ -461,27 +504,6 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
             decode8_bf16(wrow + 64 * blk, mask64(row_bytes - 64 * blk), t, z);
             dot(64 * blk, z[0], 0);
             dot(64 * blk + 32, z[1], 1);
-        }
-    } else if (FLUSH && a.gs == 128) {
-        // int4 in groups of 128 (the default; x in "dp" order), one block per group: per row the
-        // block's four dot products in two fresh chains, their sum times the group's scale into
-        // tot; nothing but tot stays live from block to block. Against the loop below (shared
-        // accumulators, one chain per row at 5-8 rows, flushed per group), 2 Zen 5 cores, a 65536 x
-        // 5120 layer, the two alternating in one process: 8 rows 15.5 -> 13.8 ms, 4 rows 8.7 -> 7.5,
-        // 2 rows 5.1 -> 4.6; batch 1 the same
-        for (int64_t blk = b0; blk < b1; blk++) {
-            __m512i z[4];
-            _mm_prefetch(ahead + 64 * blk, _MM_HINT_T0);
-            decode4_dp(wrow + 64 * blk, t.int4_bf16, z);
-            const __m512 sc = _mm512_set1_ps(scale_at<SF>(srow, blk, t));
-            for (int m = 0; m < MR; m++) {
-                const uint16_t* xb = x + m * a.ldx + 128 * blk;
-                __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[0], (__m512bh)_mm512_loadu_si512(xb));
-                __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[1], (__m512bh)_mm512_loadu_si512(xb + 32));
-                d0 = _mm512_dpbf16_ps(d0, (__m512bh)z[2], (__m512bh)_mm512_loadu_si512(xb + 64));
-                d1 = _mm512_dpbf16_ps(d1, (__m512bh)z[3], (__m512bh)_mm512_loadu_si512(xb + 96));
-                tot[m] = _mm512_fmadd_ps(_mm512_add_ps(d0, d1), sc, tot[m]);
-            }
         }
     } else if (WF == W_INT4 && a.gs % 128 == 0) {
         // whole blocks per group; x in "dp" order. int4: one flush per group; w4a8: the group's
