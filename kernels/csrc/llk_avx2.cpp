@@ -542,7 +542,7 @@ static void gemv_bf16(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, cons
                       uint16_t* out, int64_t ldo, int nthreads) {
     // x -> fp32, even positions of each 16 first, then odd ones (the order the weight decodes in)
     const int64_t kv = K / 16 * 16;
-    std::vector<float> xf((size_t)std::max<int64_t>(M * kv, 1));
+    LineVec<float> xf((size_t)std::max<int64_t>(M * kv, 1));
     for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < kv; k += 16)
             for (int i = 0; i < 8; i++) {
@@ -581,9 +581,9 @@ static void gemv_bf16(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, cons
 
 struct Q8Rows {
     int64_t nchunk;
-    std::vector<int8_t> a;   // [rows][nchunk][64]: the chunk's even K (32 values), then its odd K
-    std::vector<float> s;    // [rows][nchunk][8]: lanes 0-3 the first block's scale, 4-7 the second's
-    std::vector<int32_t> c;  // [rows][nchunk][8]: lane 0 8 * sum(a) of the first block, lane 4 of the second
+    LineVec<int8_t> a;   // [rows][nchunk][64]: the chunk's even K (32 values), then its odd K
+    LineVec<float> s;    // [rows][nchunk][8]: lanes 0-3 the first block's scale, 4-7 the second's
+    LineVec<int32_t> c;  // [rows][nchunk][8]: lane 0 8 * sum(a) of the first block, lane 4 of the second
 };
 
 static void q8_quantize(const float* x, int64_t rows, int64_t K, int64_t ldx, Q8Rows& q) {
@@ -832,7 +832,7 @@ static void weighted(const AttnArgs& a, const uint16_t* vb, const uint8_t* mask,
 }
 
 // Work item (b, hk): queries h = hk G .. hk G + G - 1 into out (fp32 [G, D]).
-static void attend_item(const AttnArgs& a, int64_t b, int64_t hk, float* out, std::vector<float>& buf) {
+static void attend_item(const AttnArgs& a, int64_t b, int64_t hk, float* out, LineVec<float>& buf) {
     const int64_t G = a.H / a.Hkv, D = a.D, n = a.n;
     buf.resize((size_t)(G * D + G * n));
     float* qf = buf.data();
@@ -902,7 +902,7 @@ static void decode_attention(const AttnArgs& a, void* out, int out_bf16, int nth
                                                                items * a.n * a.D * 4 / (64 * 1024) + 1));
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t i = 0; i < items; i++) {
-        thread_local std::vector<float> buf, of;
+        thread_local LineVec<float> buf, of;
         const int64_t b = i / a.Hkv, hk = i % a.Hkv;
         of.resize((size_t)(G * a.D));
         attend_item(a, b, hk, of.data(), buf);
@@ -1156,7 +1156,7 @@ int llk_moe_one_token(const LlkMoePlan* p, const uint16_t* x, uint16_t* out, int
     if (p->E <= 0 || p->D <= 0) return -1;
     float score;
     const int64_t best = route_top1(p->router, p->E, p->D, x, &score);
-    thread_local std::vector<uint16_t> buf;
+    thread_local LineVec<uint16_t> buf;
     buf.resize((size_t)(p->D * 3 + p->F_routed + p->F_shared));
     uint16_t* xs = buf.data();
     uint16_t* routed = xs + p->D;
@@ -1209,7 +1209,7 @@ int llk_moe_one_token_bf16(const LlkMoeBf16Plan* p, const uint16_t* x, uint16_t*
     float score;
     const int64_t e = route_top1(p->router, p->E, p->D, x, &score);
     const int64_t D = p->D, F = p->F_routed, Fs = p->F_shared, Fmax = std::max(F, Fs);
-    thread_local std::vector<uint16_t> buf;
+    thread_local LineVec<uint16_t> buf;
     buf.resize((size_t)(D * 3 + 2 * Fmax));
     uint16_t* xs = buf.data();
     uint16_t* routed = xs + D;
@@ -1268,7 +1268,7 @@ int llk_attention_one_token(const LlkAttnPlan* p, const uint16_t* x, int64_t pos
     const int64_t slot = p->ring ? pos % p->chunk : pos;
     const int64_t lo = p->chunk && !p->ring ? pos - pos % p->chunk : 0;
     if (slot >= p->slots) return -1;
-    thread_local std::vector<uint16_t> buf;
+    thread_local LineVec<uint16_t> buf;
     buf.resize((size_t)(2 * nq + 2 * nkv));
     uint16_t* q = buf.data();  // q, k, v side by side, as the core's cat of q and k
     uint16_t* k = q + nq;
@@ -1321,7 +1321,7 @@ struct LlkBlockPlan {
 int llk_block_one_token(const LlkBlockPlan* p, const uint16_t* x, int64_t pos, const float* cos, const float* sin,
                         int use_q_scale, float q_scale, uint16_t* out) {
     const int64_t D = p->D;
-    thread_local std::vector<uint16_t> buf;
+    thread_local LineVec<uint16_t> buf;
     buf.resize((size_t)(3 * D));
     uint16_t* a = buf.data();  // a norm's output, then the MoE's
     uint16_t* o = a + D;       // the attention's output
