@@ -428,6 +428,16 @@ static inline const char* scale_prefetch_origin(const void* srow, const LlkWeigh
     return (const char*)srow + kGemvTileN * w.s_ldn * el;
 }
 
+// One activation row's 128 values in "dp" order (xb) against a decoded block z: the four dot
+// products in two fresh chains, their sum (16 fp32 lanes).
+static inline LLK_INLINE __m512 block_dot(const __m512i z[4], const uint16_t* xb) {
+    __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[0], (__m512bh)_mm512_loadu_si512(xb));
+    __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[1], (__m512bh)_mm512_loadu_si512(xb + 32));
+    d0 = _mm512_dpbf16_ps(d0, (__m512bh)z[2], (__m512bh)_mm512_loadu_si512(xb + 64));
+    d1 = _mm512_dpbf16_ps(d1, (__m512bh)z[3], (__m512bh)_mm512_loadu_si512(xb + 96));
+    return _mm512_add_ps(d0, d1);
+}
+
 // dp_row for int4 in groups of 128 (the default; x in "dp" order), one block per group: per row the
 // block's four dot products in two fresh chains, their sum times the group's scale into tot; nothing
 // but tot stays live from block to block. A function of its own: inside dp_row, which holds every
@@ -463,12 +473,8 @@ __attribute__((noinline)) static void dp_row_int4_g128(const LlkArgs& a, const L
         const __m512 folded = _mm512_mul_ps(t.int4_f32, sc);  // (FOLD only)
         decode4_dp(wrow + 64 * blk, FOLD ? (__m512i)_mm512_cvtne2ps_pbh(folded, folded) : t.int4_bf16, z);
         for (int m = 0; m < MR; m++) {
-            const uint16_t* xb = x + m * a.ldx + 128 * blk;
-            __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[0], (__m512bh)_mm512_loadu_si512(xb));
-            __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[1], (__m512bh)_mm512_loadu_si512(xb + 32));
-            d0 = _mm512_dpbf16_ps(d0, (__m512bh)z[2], (__m512bh)_mm512_loadu_si512(xb + 64));
-            d1 = _mm512_dpbf16_ps(d1, (__m512bh)z[3], (__m512bh)_mm512_loadu_si512(xb + 96));
-            tot[m] = FOLD ? _mm512_add_ps(tot[m], _mm512_add_ps(d0, d1)) : _mm512_fmadd_ps(_mm512_add_ps(d0, d1), sc, tot[m]);
+            const __m512 d = block_dot(z, x + m * a.ldx + 128 * blk);
+            tot[m] = FOLD ? _mm512_add_ps(tot[m], d) : _mm512_fmadd_ps(d, sc, tot[m]);
         }
     }
     for (int m = 0; m < MR; m++) {
@@ -557,14 +563,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
             if (CHUNKED) _mm_prefetch(scale_prefetch_origin(s8, w, 1) + 8 * blk, _MM_HINT_T0);
             decode4_dp(wrow + 64 * blk, t.fp4_bf16, z);
             const __m512 sv = _mm512_permutexvar_ps(pairs, load_e4m3(s8 + 8 * blk, 8));
-            for (int m = 0; m < MR; m++) {
-                const uint16_t* xb = x + m * a.ldx + 128 * blk;
-                __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[0], (__m512bh)_mm512_loadu_si512(xb));
-                __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)z[1], (__m512bh)_mm512_loadu_si512(xb + 32));
-                d0 = _mm512_dpbf16_ps(d0, (__m512bh)z[2], (__m512bh)_mm512_loadu_si512(xb + 64));
-                d1 = _mm512_dpbf16_ps(d1, (__m512bh)z[3], (__m512bh)_mm512_loadu_si512(xb + 96));
-                tot[m] = _mm512_fmadd_ps(_mm512_add_ps(d0, d1), sv, tot[m]);
-            }
+            for (int m = 0; m < MR; m++) tot[m] = _mm512_fmadd_ps(block_dot(z, x + m * a.ldx + 128 * blk), sv, tot[m]);
         }
     } else {  // (never split into K chunks: dp_chunk_blocks)
         const int64_t kc = (a.K + 31) / 32;  // chunks holding K values
