@@ -470,8 +470,12 @@ __attribute__((noinline)) static void dp_row_int4_g128(const LlkArgs& a, const L
         _mm_prefetch(ahead + 64 * blk, _MM_HINT_T0);
         if (CHUNKED) _mm_prefetch(s_ahead + el * blk, _MM_HINT_T0);
         const __m512 sc = _mm512_set1_ps(scale_at<SF>(srow, blk, t));
-        const __m512 folded = _mm512_mul_ps(t.int4_f32, sc);  // (FOLD only)
-        decode4_dp(wrow + 64 * blk, FOLD ? (__m512i)_mm512_cvtne2ps_pbh(folded, folded) : t.int4_bf16, z);
+        __m512i table = t.int4_bf16;
+        if constexpr (FOLD) {
+            const __m512 v = _mm512_mul_ps(t.int4_f32, sc);
+            table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+        }
+        decode4_dp(wrow + 64 * blk, table, z);
         for (int m = 0; m < MR; m++) {
             const __m512 d = block_dot(z, x + m * a.ldx + 128 * blk);
             tot[m] = FOLD ? _mm512_add_ps(tot[m], d) : _mm512_fmadd_ps(d, sc, tot[m]);
@@ -505,6 +509,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
     const int64_t nblk = row_blocks<WF>(a);
     const int64_t ngroups = a.gs > 0 ? a.K / a.gs : 0;
     const char* ahead = prefetch_origin<CHUNKED>(wrow, w);
+    const char* s_ahead = SF == S_NONE ? nullptr : scale_prefetch_origin(srow, w, el);
     __m512 acc[MR][NA], tot[MR];
     for (int m = 0; m < MR; m++) {
         for (int j = 0; j < NA; j++) acc[m][j] = _mm512_setzero_ps();
@@ -537,7 +542,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
         const int64_t bpg = a.gs / 128;
         __m512i table = t.int4_bf16;
         for (int64_t g = b0 / bpg; g < b1 / bpg; g++) {
-            if (CHUNKED) _mm_prefetch(scale_prefetch_origin(srow, w, el) + el * g, _MM_HINT_T0);
+            if (CHUNKED) _mm_prefetch(s_ahead + el * g, _MM_HINT_T0);
             if (FOLD) {
                 const __m512 v = _mm512_mul_ps(t.int4_f32, _mm512_set1_ps(scale_at<SF>(srow, g, t)));
                 table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
@@ -560,7 +565,7 @@ static inline void dp_row(const LlkArgs& a, const LlkWeight& w, int64_t e, int64
         for (int64_t blk = b0; blk < b1; blk++) {
             __m512i z[4];
             _mm_prefetch(ahead + 64 * blk, _MM_HINT_T0);
-            if (CHUNKED) _mm_prefetch(scale_prefetch_origin(s8, w, 1) + 8 * blk, _MM_HINT_T0);
+            if (CHUNKED) _mm_prefetch(s_ahead + 8 * blk, _MM_HINT_T0);
             decode4_dp(wrow + 64 * blk, t.fp4_bf16, z);
             const __m512 sv = _mm512_permutexvar_ps(pairs, load_e4m3(s8 + 8 * blk, 8));
             for (int m = 0; m < MR; m++) tot[m] = _mm512_fmadd_ps(block_dot(z, x + m * a.ldx + 128 * blk), sv, tot[m]);
@@ -776,9 +781,8 @@ static void q8v_impl(const LlkArgs& a) {
         if (a.row_end[e] > a.row_start[e]) first = std::min(first, a.row_start[e]), last = std::max(last, a.row_end[e]);
     if (first >= last) return;
     const int64_t nsteps = a.K / 128, xstride = nsteps * kQ8vStep, sps = a.gs / 128;
-    struct alignas(64) Line { uint8_t b[64]; };
-    thread_local std::vector<Line> buf;  // 64-byte aligned (C++17's aligned new)
-    buf.resize((size_t)((last - first) * xstride / 64));
+    thread_local LineVec<uint8_t> buf;  // read with aligned loads (q8v_row)
+    buf.resize((size_t)((last - first) * xstride));
     uint8_t* xq = (uint8_t*)buf.data();
     q8v_pack_rows((const float*)a.x + first * a.ldx, a.ldx, last - first, a.K, xq);
     gemv_tiles<kDpRows>(a, a.K / 2, [&](int64_t e, int64_t n0, int64_t n1, int64_t r, int64_t rows) {
