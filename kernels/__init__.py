@@ -12,7 +12,7 @@ an RMSNorm of bf16 rows in one call; ``moe_one_token`` (``kernels.moe``) a MoE l
 ``one_token_block`` (``kernels.block_layer``) a whole decoder block (both) for one token in one call.
 """
 
-from .attention import decode_attention, decode_step
+from .attention import decode_attention, decode_step, prefill_attention
 from .attention_layer import OneTokenAttention
 from .block_layer import one_token_block
 from .dispatch import BACKENDS, get_backend, set_backend
@@ -37,7 +37,7 @@ from .formats import (
 
 __all__ = [
     "BACKENDS", "get_backend", "set_backend", "prepare",
-    "linear", "grouped_linear", "grouped_swiglu", "swiglu", "decode_attention", "decode_step", "rmsnorm",
+    "linear", "grouped_linear", "grouped_swiglu", "swiglu", "decode_attention", "decode_step", "prefill_attention", "rmsnorm",
     "moe_one_token", "OneTokenAttention", "one_token_block",
     "Int4Weight", "Fp8Weight", "W4A8Weight", "NVFP4Weight", "QuantizedWeight",
     "dequantize_weight", "format_name", "weight_shape", "select_expert",

@@ -172,6 +172,10 @@ class Attention(nn.Module):
         # (None without RoPE), q_scale the temperature as a float (None: none). It reads and writes
         # ``self.cache`` itself. A loader may install one (eager code only).
         self.one_token_impl: Optional[Callable] = None
+        # prefill_attend_impl(q, keys, values, mask) -> [B, S, H, D], or None where it does not
+        # apply: a prefill's attention (q [B, S, H, D], keys / values [B, L, Hkv, D] as the cache
+        # returns them, mask [B, 1, S, L] True = may attend) in place of SDPA. A loader may install one.
+        self.prefill_attend_impl: Optional[Callable] = None
 
     @property
     def cache_k(self) -> Optional[torch.Tensor]:
@@ -221,9 +225,13 @@ class Attention(nn.Module):
             return self.wo(out.reshape(bsz, seqlen, -1))
         # Each row writes its own positions, so rows of different lengths share one cache.
         keys, values, mask_b1sl = self.cache.update(k, v, step)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask_b1sl, enable_gqa=True)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        out = None
+        if self.prefill_attend_impl is not None and not torch.compiler.is_compiling():
+            out = self.prefill_attend_impl(q, keys, values, mask_b1sl)
+        if out is None:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                 attn_mask=mask_b1sl, enable_gqa=True).transpose(1, 2)
+        return self.wo(out.reshape(bsz, seqlen, -1))
 
 
 class FeedForward(nn.Module):

@@ -243,12 +243,15 @@ def _attention_to_kernels(model: Transformer) -> None:
     token (top-1) as one ``kernels.moe_one_token`` call where it applies; so does an attention
     layer whose four linear layers run through ``kernels.linear``, as one ``kernels.OneTokenAttention``
     call. On one rank, a block whose attention and MoE layers both have such a call decodes one token
-    as one ``kernels.one_token_block`` call (norms and residual adds included)."""
+    as one ``kernels.one_token_block`` call (norms and residual adds included). A prefill's attention
+    runs as ``kernels.prefill_attention`` where it applies (in fp32, where SDPA rounds the softmax
+    weights to bf16; ~5x faster than SDPA at 512 tokens on an AMD EPYC Zen 5)."""
     impl = register_attention(kernels.decode_attention, kernels.decode_step)
     layers, moes = {}, {}  # the one-call layers installed below, for the one-call blocks
     for module in model.modules():
         if isinstance(module, Attention):
             module.attend_impl = impl
+            module.prefill_attend_impl = kernels.prefill_attention
             module.norm_impl = kernels.rmsnorm
             if all(isinstance(m, (QuantizedLinear, KernelLinear)) for m in (module.wq, module.wk, module.wv, module.wo)):
                 layer = kernels.OneTokenAttention(

@@ -1486,6 +1486,123 @@ static void dpg_impl(const LlkArgs& a, int64_t e, const uint32_t* b, int64_t kp)
 }
 
 // ------------------------------------------------------------------------------------------
+// Prefill attention (many queries per row over its keys), AVX-512 BF16: scores by vdpbf16ps (the
+// exact products of bf16 q and k summed in fp32), the softmax in fp32 (exp16), the weighted sum of
+// fp32 probabilities and values (bf16 widened exactly) with fp32 FMAs: kernels.reference's
+// decode_attention numbers up to fp32 summation order and e^x's few ulp. Keys are first packed
+// per (row, KV head) with 16 keys in a register's lanes, pair i of the head dimension at dword
+// i of each lane; each query's dword i is broadcast against them. Each query attends to the keys
+// its mask row allows; only the span between its first and last allowed key is computed (a causal
+// mask: half the square).
+
+static const int kPaQ = 6;   // query vectors per block (scores and weighted sum)
+static const int kPaKB = 4;  // 16-key blocks per register block of scores
+static const int kPaDV = 4;  // 16-value vectors of the head dimension per register block of the sum
+static const int64_t kPaPos = 16;  // query positions per work item
+
+// sc[r][16 (jb + c) ...] = scale * (query r . keys of 16-key blocks jb + c, c < NB), r < NQ
+template <int NQ, int NB>
+static inline void pa_scores(const uint32_t* const* qd, const uint32_t* kp, int64_t jb, int64_t half, float scale,
+                             float* sc, int64_t ldsc) {
+    __m512 acc[NQ][NB];
+    for (int r = 0; r < NQ; r++)
+        for (int c = 0; c < NB; c++) acc[r][c] = _mm512_setzero_ps();
+    const uint32_t* kb = kp + jb * half * 16;
+    for (int64_t i = 0; i < half; i++) {
+        __m512bh kv[NB];
+        for (int c = 0; c < NB; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kb + (c * half + i) * 16);
+        for (int r = 0; r < NQ; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qd[r][i]);
+            for (int c = 0; c < NB; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], kv[c], qb);
+        }
+    }
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int r = 0; r < NQ; r++)
+        for (int c = 0; c < NB; c++) _mm512_storeu_ps(sc + r * ldsc + 16 * (jb + c), _mm512_mul_ps(acc[r][c], vs));
+}
+
+// acc rows r < NQ, values [d0, d0 + 16 DV) += sum over keys j in [j0, j1) of p[r][j] * v[j]
+template <int NQ, int DV>
+static inline void pa_sum(const float* p, int64_t ldp, const uint16_t* v, int64_t vn, int64_t j0, int64_t j1,
+                          int64_t d0, float* out, int64_t ldo) {
+    __m512 acc[NQ][DV];
+    for (int r = 0; r < NQ; r++)
+        for (int c = 0; c < DV; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; j++) {
+        __m512 vv[DV];
+        for (int c = 0; c < DV; c++)
+            vv[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(v + j * vn + d0 + 16 * c)));
+        for (int r = 0; r < NQ; r++) {
+            const __m512 pr = _mm512_set1_ps(p[r * ldp + j]);
+            for (int c = 0; c < DV; c++) acc[r][c] = _mm512_fmadd_ps(pr, vv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < NQ; r++)
+        for (int c = 0; c < DV; c++) _mm512_storeu_ps(out + r * ldo + d0 + 16 * c, acc[r][c]);
+}
+
+template <int NQ>
+static void pa_block(const uint32_t* const* qd, const uint32_t* kp, int64_t half, int64_t jb0, int64_t jb1, float scale,
+                     float* sc, int64_t ldsc) {
+    for (int64_t jb = jb0; jb < jb1; jb += kPaKB) {
+        switch (std::min<int64_t>(kPaKB, jb1 - jb)) {
+            case 1: pa_scores<NQ, 1>(qd, kp, jb, half, scale, sc, ldsc); break;
+            case 2: pa_scores<NQ, 2>(qd, kp, jb, half, scale, sc, ldsc); break;
+            case 3: pa_scores<NQ, 3>(qd, kp, jb, half, scale, sc, ldsc); break;
+            default: pa_scores<NQ, kPaKB>(qd, kp, jb, half, scale, sc, ldsc); break;
+        }
+    }
+}
+
+template <int NQ>
+static void pa_weighted(const float* p, int64_t ldp, const uint16_t* v, int64_t vn, int64_t j0, int64_t j1, int64_t D,
+                        float* out, int64_t ldo) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16 * kPaDV) {
+        switch (std::min<int64_t>(kPaDV, (D - d0) / 16)) {
+            case 1: pa_sum<NQ, 1>(p, ldp, v, vn, j0, j1, d0, out, ldo); break;
+            case 2: pa_sum<NQ, 2>(p, ldp, v, vn, j0, j1, d0, out, ldo); break;
+            case 3: pa_sum<NQ, 3>(p, ldp, v, vn, j0, j1, d0, out, ldo); break;
+            default: pa_sum<NQ, kPaDV>(p, ldp, v, vn, j0, j1, d0, out, ldo); break;
+        }
+    }
+}
+
+template <class F>
+static inline void with_queries(int nq, F&& f) {
+    switch (nq) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 5: f(std::integral_constant<int, 5>{}); break;
+        default: f(std::integral_constant<int, kPaQ>{}); break;
+    }
+}
+
+// First allowed key and one past the last of a mask row (0, 0: none), 64 bytes at a time.
+static inline void mask_span(const uint8_t* m, int64_t L, int64_t* lo, int64_t* hi) {
+    int64_t a = L, b = 0;
+    for (int64_t j = 0; j < L; j += 64) {
+        const __mmask64 in = j + 64 <= L ? ~0ull : (1ull << (L - j)) - 1;
+        const uint64_t set = _mm512_test_epi8_mask(_mm512_maskz_loadu_epi8(in, m + j), _mm512_set1_epi8(-1));
+        if (set) {
+            a = j + __builtin_ctzll(set);
+            break;
+        }
+    }
+    for (int64_t j = (L - 1) / 64 * 64; a < L && j + 64 > a; j -= 64) {
+        const __mmask64 in = j + 64 <= L ? ~0ull : (1ull << (L - j)) - 1;
+        const uint64_t set = _mm512_test_epi8_mask(_mm512_maskz_loadu_epi8(in, m + j), _mm512_set1_epi8(-1));
+        if (set) {
+            b = j + 64 - __builtin_clzll(set);
+            break;
+        }
+    }
+    *lo = a < b ? a : 0;
+    *hi = a < b ? b : 0;
+}
+
+// ------------------------------------------------------------------------------------------
 // activation quantization: the same fp32 operations, in the same order, as kernels/reference.py,
 // so the quantized values are bit-identical (built with -ffp-contract=off).
 
@@ -1796,6 +1913,104 @@ int llk_quant_nvfp4_rows(const float* x, int64_t rows, int64_t K, int64_t ldx, c
                          int64_t ldo, int nthreads) {
     if (K % 16) return -1;
     quant_nvfp4_rows(x, rows, K, ldx, g_rows, out, ldo, nthreads);
+    return 0;
+}
+
+// Attention of S queries per row over L keys (a prefill): q [B, S, H, D] bf16 with strides qs
+// (row, position, head; D contiguous), keys / values [B, L, Hkv, D] bf16 with strides kvs (keys'
+// row, slot, head, then values'), mask [B, S, L] bytes (nonzero: may attend), query head h reads KV
+// head h / (H / Hkv). out [B, S, H, D] contiguous, bf16 (out_bf16) or fp32; a query with no key to
+// attend to gives zeros. -1 where D is not a multiple of 16 or above 512.
+int llk_prefill_attention(const uint16_t* q, const int64_t* qs, const uint16_t* k, const uint16_t* v,
+                          const int64_t* kvs, const uint8_t* mask, int64_t B, int64_t S, int64_t H, int64_t Hkv,
+                          int64_t D, int64_t L, float scale, void* out, int out_bf16, int nthreads) {
+    if (D % 16 || D > 512 || H % Hkv || B <= 0 || S <= 0 || L <= 0) return -1;
+    const int64_t G = H / Hkv, half = D / 2, nkb = (L + 15) / 16;
+    const int64_t ldsc = nkb * 16;
+    LineVec<uint32_t> kp((size_t)(B * Hkv * nkb * half * 16));
+    const int nt = std::max(1, nthreads);
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t bg = 0; bg < B * Hkv; bg++)
+            for (int64_t jb = 0; jb < nkb; jb++) {
+                const int64_t b = bg / Hkv, g = bg % Hkv;
+                uint32_t* dst = kp.data() + (bg * nkb + jb) * half * 16;
+                for (int lane = 0; lane < 16; lane++) {
+                    const int64_t j = jb * 16 + lane;
+                    const uint32_t* src = j < L ? (const uint32_t*)(k + b * kvs[0] + j * kvs[1] + g * kvs[2]) : nullptr;
+                    for (int64_t i = 0; i < half; i++) dst[i * 16 + lane] = src ? src[i] : 0u;
+                }
+            }
+        LineVec<float> sc((size_t)(kPaQ * ldsc)), acc((size_t)(kPaQ * D));
+        const int64_t npb = (S + kPaPos - 1) / kPaPos;
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t bg = 0; bg < B * Hkv; bg++)
+            for (int64_t pb = 0; pb < npb; pb++) {
+                const int64_t b = bg / Hkv, g = bg % Hkv;
+                const uint32_t* kbg = kp.data() + bg * nkb * half * 16;
+                const uint16_t* vbg = v + b * kvs[3] + g * kvs[5];
+                const int64_t s0 = pb * kPaPos, s1 = std::min(S, s0 + kPaPos);
+                const int64_t nvec = (s1 - s0) * G;
+                int64_t plo[kPaPos], phi[kPaPos];
+                for (int64_t sp = s0; sp < s1; sp++) mask_span(mask + (b * S + sp) * L, L, &plo[sp - s0], &phi[sp - s0]);
+                for (int64_t r0 = 0; r0 < nvec; r0 += kPaQ) {
+                    const int nq = (int)std::min<int64_t>(kPaQ, nvec - r0);
+                    const uint32_t* qd[kPaQ];
+                    const uint8_t* mrow[kPaQ];
+                    int64_t pos[kPaQ], head[kPaQ];
+                    float sums[kPaQ];
+                    int64_t j0 = L, j1 = 0;
+                    for (int r = 0; r < kPaQ; r++) {
+                        const int64_t rr = r0 + std::min(r, nq - 1);  // unused slots repeat the last query
+                        pos[r] = s0 + rr / G, head[r] = g * G + rr % G;
+                        qd[r] = (const uint32_t*)(q + b * qs[0] + pos[r] * qs[1] + head[r] * qs[2]);
+                        mrow[r] = mask + (b * S + pos[r]) * L;
+                        const int64_t lo = plo[pos[r] - s0], hi = phi[pos[r] - s0];
+                        if (hi > lo) j0 = std::min(j0, lo), j1 = std::max(j1, hi);
+                    }
+                    if (j1 > j0) {
+                        const int64_t jb0 = j0 / 16, jb1 = (j1 + 15) / 16;
+                        with_queries(nq, [&](auto Q) { pa_block<decltype(Q)::value>(qd, kbg, half, jb0, jb1, scale, sc.data(), ldsc); });
+                        for (int r = 0; r < nq; r++) {  // softmax under the row's own mask; masked keys weigh 0
+                            float* pr = sc.data() + r * ldsc;
+                            __m512 mx = _mm512_set1_ps(-INFINITY);
+                            for (int64_t j = j0; j < j1; j += 16) {
+                                const __mmask16 in = mask16(j1 - j);
+                                const __mmask16 ok = _mm_mask_test_epi8_mask(in, _mm_maskz_loadu_epi8(in, mrow[r] + j),
+                                                                             _mm_set1_epi8(-1));
+                                mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_loadu_ps(pr + j));
+                            }
+                            const float top = _mm512_reduce_max_ps(mx);
+                            const __m512 vm = _mm512_set1_ps(top == -INFINITY ? 0.0f : top);
+                            __m512 sum = _mm512_setzero_ps();
+                            for (int64_t j = j0; j < j1; j += 16) {
+                                const __mmask16 in = mask16(j1 - j);
+                                const __mmask16 ok = _mm_mask_test_epi8_mask(in, _mm_maskz_loadu_epi8(in, mrow[r] + j),
+                                                                             _mm_set1_epi8(-1));
+                                const __m512 e = _mm512_maskz_mov_ps(ok, exp16(_mm512_sub_ps(_mm512_loadu_ps(pr + j), vm)));
+                                sum = _mm512_add_ps(sum, e);
+                                _mm512_mask_storeu_ps(pr + j, in, e);
+                            }
+                            sums[r] = _mm512_reduce_add_ps(sum);
+                        }
+                        with_queries(nq, [&](auto Q) {
+                            pa_weighted<decltype(Q)::value>(sc.data(), ldsc, vbg, kvs[4], j0, j1, D, acc.data(), D);
+                        });
+                    }
+                    for (int r = 0; r < nq; r++) {  // a query with no key to attend to: zeros
+                        const bool any = j1 > j0 && sums[r] > 0.0f;
+                        const __m512 inv = _mm512_set1_ps(any ? 1.0f / sums[r] : 0.0f);
+                        for (int64_t d = 0; d < D; d += 16) {
+                            const __m512 o = any ? _mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * D + d), inv) : _mm512_setzero_ps();
+                            const int64_t at = ((b * S + pos[r]) * H + head[r]) * D + d;
+                            if (out_bf16) _mm256_storeu_si256((__m256i*)((uint16_t*)out + at), (__m256i)_mm512_cvtneps_pbh(o));
+                            else _mm512_storeu_ps((float*)out + at, o);
+                        }
+                    }
+                }
+            }
+    }
     return 0;
 }
 

@@ -151,3 +151,75 @@ def test_decode_step_leaves_other_caches_to_the_core():
         with pytest.raises(RuntimeError, match="rejected positions"):
             attention.decode_step(q, k, v, bf16, bf16.clone(), empty, empty, torch.tensor([8]), 0, False)
         assert torch.equal(bf16, torch.zeros_like(bf16))  # a rejected step writes nothing
+
+
+# ---- many queries per row (a prefill)
+
+# (B, S, H, Hkv, D, cached slots before the new ones, mask): G = 4, 4, 1, 5; S within one block of
+# 16 positions, across several, and 1; D 128 / 64 / 32 / 16; "causal" (new keys after the cached
+# ones), "holes" (causal with a random 30% masked, first allowed keys off the 16-key blocks, and a
+# row with nothing to attend to), "chunk" (a chunked layer's window: each query sees its chunk only)
+PREFILL = [(1, 40, 16, 4, 128, 0, "causal"), (2, 37, 8, 2, 64, 13, "holes"), (3, 20, 4, 4, 32, 0, "holes"),
+           (1, 1, 10, 2, 16, 70, "causal"), (1, 70, 5, 1, 64, 30, "chunk")]  # fmt: skip
+
+
+def prefill_case(b, s, h, hkv, d, cached, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = cached + s
+    keys, values = cache_views(b, hkv, d, n + 5, n, seed=seed)
+    # q as the core passes it: a view of q and k's heads joined
+    qk = (torch.randn(b, s, h + hkv, d, generator=g) * 2).to(torch.bfloat16)
+    q = qk[:, :, :h]
+    pos = torch.arange(cached, n)
+    mask = (torch.arange(n)[None] <= pos[:, None]).expand(b, 1, s, n).clone()
+    if kind == "holes":
+        mask &= torch.rand(b, 1, s, n, generator=g) < 0.7
+        mask[..., :, :3] = False
+        if b > 1:
+            mask[1, 0, 2] = False
+    elif kind == "chunk":
+        mask &= (torch.arange(n)[None] // 32 == pos[:, None] // 32)
+    return q, keys, values, mask
+
+
+@pytest.mark.parametrize("case", PREFILL, ids=lambda c: "x".join(map(str, c)))
+def test_prefill_matches_the_reference(case, isa):
+    """Under the avx512 cap: the kernel's fp32 result within 1e-5 of the fp32 reference's largest
+    output (the same bound as decode's), its bf16 result that rounded once, zeros for a query with
+    nothing to attend to. Under other caps it does not apply (the core runs SDPA)."""
+    q, keys, values, mask = prefill_case(*case)
+    out32 = attention.prefill_attention(q, keys, values, mask, out_dtype=torch.float32)
+    if isa != "avx512":
+        assert out32 is None and attention.prefill_attention(q, keys, values, mask) is None
+        return
+    ref = R.decode_attention(q.float(), keys, values, mask)
+    scale = ref.abs().max()
+    err = (out32 - ref).abs().max()
+    assert err <= 1e-5 * scale, (err / scale).item()
+    live = mask.any(-1).squeeze(1)  # [B, S]
+    assert torch.equal(out32[~live], torch.zeros_like(out32[~live]))
+    out = attention.prefill_attention(q, keys, values, mask)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, out32.to(torch.bfloat16))
+    # and SDPA (what the core runs without it) agrees within its bf16 softmax weights
+    sdpa = attention._sdpa(q, keys, values, mask)
+    assert (sdpa[live].float() - ref[live]).abs().max() <= 2**-6 * scale
+
+
+def test_prefill_large_scores_and_what_it_leaves_to_sdpa(caplog):
+    if "avx512" not in ISAS:
+        pytest.skip("this CPU cannot run the avx512 path")
+    cpu.set_isa("avx512")
+    try:
+        q, keys, values, mask = prefill_case(1, 20, 4, 2, 32, 5, "holes", seed=4)
+        q = torch.full_like(q, 30.0)  # scores up to ~ +-500: e^x clamped, masked keys exactly 0
+        with caplog.at_level(logging.INFO, logger="llama_lite.kernels"):
+            attention._logged.clear()
+            out32 = attention.prefill_attention(q, keys, values, mask, out_dtype=torch.float32)
+            assert "prefill attention -> cpu/avx512" in caplog.text
+        ref = R.decode_attention(q.float(), keys, values, mask)
+        assert torch.isfinite(out32).all() and (out32 - ref).abs().max() <= 1e-5 * ref.abs().max()
+        assert attention.prefill_attention(q.float(), keys.float(), values.float(), mask) is None  # bf16 only
+        assert attention.prefill_attention(q[..., :24], keys[..., :24], values[..., :24], mask) is None  # D % 16
+        assert attention.prefill_attention(q, keys, values, mask.float()) is None  # a bool mask only
+    finally:
+        cpu.set_isa(None)

@@ -111,6 +111,8 @@ def test_bf16_layers_run_on_the_kernels_gemv_with_the_same_numbers(tiny_ckpt, di
         loader = partial(convert_to_quantized_model, quantization_mode=mode, progress=False, prepare=False)
         core = Llama4.build(tiny_ckpt, max_seq_len=32, max_batch_size=2, convert=loader).model
         assert not isinstance(core.layers[0].attention.wq, KernelLinear)
+        for layer in core.layers:  # the same prefill attention on both sides: this test is about the linear layers
+            layer.attention.prefill_attend_impl = fast.layers[0].attention.prefill_attend_impl
         with same_routing(fast, core) as flips:
             tokens = TOKENS[:2, :9]
             b, a = core(tokens, 0), fast(tokens, 0)
