@@ -12,6 +12,10 @@ Cases (Llama 4 Scout: dim 5120, expert hidden 8192, 16 experts; scaled to a 2-co
   the bench preset's heads (16 query heads, 4 KV heads, head_dim 128, batch 1), at 40, 1024 and
   8192 cached tokens ("batch" is the cache length). Bytes are the cache's keys and values; "x
   reference" is against PyTorch's SDPA (path ``sdpa``), which the core uses without the kernels.
+* ``prefill_attention``: a prefill's attention (``kernels.prefill_attention``), the same heads, 128,
+  512 and 2048 new tokens under a causal mask ("batch" is the token count); under caps where the
+  kernel does not apply the core runs SDPA, so only the paths it applies to get a row. "x
+  reference" is against SDPA; GB/s counts the keys and values once.
 
 Formats: bf16, int4, int4_a8 (the same int4 weights with ``int8_activations``, the explicit
 integer-dot-product option), fp8, w4a8, nvfp4 and nvfp4_w4a4.
@@ -64,7 +68,7 @@ FORMATS = ("bf16", "int4", "int4_a8", "fp8", "w4a8", "nvfp4", "nvfp4_w4a4")
 @dataclass
 class Case:
     name: str
-    kind: str  # "linear", "moe" or "attention" (n: query heads, k: head_dim, experts: KV heads)
+    kind: str  # "linear", "moe", "attention" or "prefill_attention" (n: query heads, k: head_dim, experts: KV heads)
     n: int  # linear: N; moe: hidden F
     k: int  # linear: K; moe: dim D
     experts: int
@@ -77,11 +81,13 @@ FULL = (
     Case("stack16", "linear", 16 * 8192, 5120, 1, (1, 8), 0),
     Case("moe16", "moe", 2048, 1024, 16, (1, 8, 512), 16 * 3 * 2048 * 1024),
     Case("attention", "attention", 16, 128, 4, (40, 1024, 8192), 0),
+    Case("prefill_attention", "prefill_attention", 16, 128, 4, (128, 512, 2048), 0),
 )
 QUICK = (
     Case("expert_w1", "linear", 128, 256, 1, (1, 8, 32), 1 << 30),
     Case("moe4", "moe", 128, 128, 4, (1, 8, 32), 1 << 30),
     Case("attention", "attention", 8, 64, 2, (16, 100), 0),
+    Case("prefill_attention", "prefill_attention", 8, 64, 2, (40,), 0),
 )
 
 
@@ -199,20 +205,29 @@ def _time(fn: Callable[[], object]) -> float:
 
 
 def run_attention(case: Case, backends: list[str], reps: int, stream: torch.Tensor) -> list[dict]:
-    """The ``attention`` case: kernels.decode_attention under each cpu path against SDPA."""
+    """The ``attention`` case: kernels.decode_attention under each cpu path against SDPA; the
+    ``prefill_attention`` case: kernels.prefill_attention, a causal prefill of ``batch`` tokens."""
     rows = []
     h, d, hkv = case.n, case.k, case.experts
+    prefill = case.kind == "prefill_attention"
     for n in case.batches:
         g = torch.Generator().manual_seed(n)
-        q = torch.randn(1, 1, h, d, generator=g).to(torch.bfloat16)
+        q = torch.randn(1, n if prefill else 1, h, d, generator=g).to(torch.bfloat16)
         keys = torch.randn(1, n, hkv, d, generator=g).to(torch.bfloat16)
         values = torch.randn(1, n, hkv, d, generator=g).to(torch.bfloat16)
-        mask = torch.ones(1, 1, 1, n, dtype=torch.bool)
+        if prefill:
+            mask = torch.ones(n, n, dtype=torch.bool).tril().view(1, 1, n, n)
+        else:
+            mask = torch.ones(1, 1, 1, n, dtype=torch.bool)
         runs = {"sdpa": lambda: attention._sdpa(q, keys, values, mask)}
         for path in backends:
             if path.startswith("cpu"):
                 cap = path.split("/", 1)[1] if "/" in path else None
-                runs[path] = _under_cap(cap, lambda: attention.decode_attention(q, keys, values, mask))
+                if prefill:
+                    if _under_cap(cap, lambda: attention.prefill_attention(q, keys, values, mask))() is not None:
+                        runs[path] = _under_cap(cap, lambda: attention.prefill_attention(q, keys, values, mask))
+                else:
+                    runs[path] = _under_cap(cap, lambda: attention.decode_attention(q, keys, values, mask))
         for fn in runs.values():
             fn()  # warm up (builds the library)
         times = {key: [] for key in runs}
@@ -229,12 +244,13 @@ def run_attention(case: Case, backends: list[str], reps: int, stream: torch.Tens
             rows.append(dict(case=case.name, format="bf16 KV", batch=n, path=path, ms=t * 1e3,
                              weight_mb=nbytes / 2**20, gbs=nbytes / t / 1e9, roofline=nbytes / t / 1e9 / stream_gbs,
                              stream_gbs=stream_gbs, vs_reference=sdpa_t / t, vs_bf16=None))  # fmt: skip
-        print(f"# {case.name} {n} cached tokens: done (stream {stream_gbs:.1f} GB/s)", flush=True)
+        what = "new tokens" if prefill else "cached tokens"
+        print(f"# {case.name} {n} {what}: done (stream {stream_gbs:.1f} GB/s)", flush=True)
     return rows
 
 
 def run_case(case: Case, backends: list[str], reps: int, stream: torch.Tensor) -> list[dict]:
-    if case.kind == "attention":
+    if case.kind in ("attention", "prefill_attention"):
         return run_attention(case, backends, reps, stream)
     print(f"# {case.name}: building weights ...", flush=True)
     weights = {}
@@ -314,7 +330,7 @@ def main(quick: bool = False, json: Optional[str] = None, backends: str = "cpu,r
         json: write the rows and machine info to this file.
         backends: comma list of paths: cpu, reference, int4pack.
         reps: timed rounds per row (default 7, quick 3).
-        cases: comma list of case names (expert_w1, stack16, moe16, attention) to run; default all.
+        cases: comma list of case names (expert_w1, stack16, moe16, attention, prefill_attention) to run; default all.
         isa: run the cpu path under each of these CPU caps (comma list of amx, avx512, avx2, none,
             or ``all`` for every cap this CPU can run); default: the cap in force only.
     """
