@@ -128,6 +128,41 @@ def test_bf16_layers_run_on_the_kernels_gemv_with_the_same_numbers(tiny_ckpt, di
         assert all(margin <= 0.02 for _, margin in flips), flips
 
 
+def test_prefill_attention_kernel_in_the_model(tiny_ckpt, dist1):
+    """Under the avx512 cap the loader's model prefills through kernels.prefill_attention, also a
+    prefill that continues a cached one across the tiny preset's 8-token chunks (its ring-cache
+    masks); the logits are those of the same model with SDPA within bf16 rounding (SDPA rounds its
+    softmax weights to bf16), the second model routing as the first (helpers.same_routing: a top-1
+    near-tie can go either way within that rounding)."""
+    if "avx512" not in cpu.cpu_isas():
+        pytest.skip("this CPU cannot run the avx512 path")
+    import kernels
+
+    cpu.set_isa("avx512")
+    try:
+        fast, slow = (build(tiny_ckpt, "none", max_seq_len=32, max_batch_size=2, progress=False).model for _ in "ab")
+        assert all(layer.attention.prefill_attend_impl is kernels.prefill_attention for layer in fast.layers)
+        calls = []
+
+        def counted(*args):
+            out = kernels.prefill_attention(*args)
+            calls.append(out is not None)
+            return out
+
+        for layer_f, layer_s in zip(fast.layers, slow.layers):
+            layer_f.attention.prefill_attend_impl, layer_s.attention.prefill_attend_impl = counted, None
+        with same_routing(slow, fast) as flips:
+            for start, end in ((0, 5), (5, 12)):  # the second attends to cached keys too
+                a = fast(TOKENS[:2, start:end], start)
+                b = slow(TOKENS[:2, start:end], start)
+                assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+                assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
+        assert len(calls) == 2 * len(fast.layers) and all(calls)
+        assert all(margin <= 0.02 for _, margin in flips), flips
+    finally:
+        cpu.set_isa(None)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_gives_the_same_tokens(tiny_ckpt, tmp_path):
     """TP=2 vs TP=1 (both fp32, so only the quantization can differ).
