@@ -1521,7 +1521,7 @@ static inline void pa_scores(const uint32_t* const* qd, const uint32_t* kp, int6
         for (int c = 0; c < NB; c++) _mm512_storeu_ps(sc + r * ldsc + 16 * (jb + c), _mm512_mul_ps(acc[r][c], vs));
 }
 
-// acc rows r < NQ, values [d0, d0 + 16 DV) += sum over keys j in [j0, j1) of p[r][j] * v[j]
+// out[r][d0, d0 + 16 DV) = sum over keys j in [j0, j1) of p[r][j] * v[j] (fp32), r < NQ
 template <int NQ, int DV>
 static inline void pa_sum(const float* p, int64_t ldp, const uint16_t* v, int64_t vn, int64_t j0, int64_t j1,
                           int64_t d0, float* out, int64_t ldo) {
@@ -1961,9 +1961,8 @@ int llk_prefill_attention(const uint16_t* q, const int64_t* qs, const uint16_t* 
                     int64_t pos[kPaQ], head[kPaQ];
                     float sums[kPaQ];
                     int64_t j0 = L, j1 = 0;
-                    for (int r = 0; r < kPaQ; r++) {
-                        const int64_t rr = r0 + std::min(r, nq - 1);  // unused slots repeat the last query
-                        pos[r] = s0 + rr / G, head[r] = g * G + rr % G;
+                    for (int r = 0; r < nq; r++) {
+                        pos[r] = s0 + (r0 + r) / G, head[r] = g * G + (r0 + r) % G;
                         qd[r] = (const uint32_t*)(q + b * qs[0] + pos[r] * qs[1] + head[r] * qs[2]);
                         mrow[r] = mask + (b * S + pos[r]) * L;
                         const int64_t lo = plo[pos[r] - s0], hi = phi[pos[r] - s0];
