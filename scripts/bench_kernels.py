@@ -223,11 +223,10 @@ def run_attention(case: Case, backends: list[str], reps: int, stream: torch.Tens
         for path in backends:
             if path.startswith("cpu"):
                 cap = path.split("/", 1)[1] if "/" in path else None
-                if prefill:
-                    if _under_cap(cap, lambda: attention.prefill_attention(q, keys, values, mask))() is not None:
-                        runs[path] = _under_cap(cap, lambda: attention.prefill_attention(q, keys, values, mask))
-                else:
-                    runs[path] = _under_cap(cap, lambda: attention.decode_attention(q, keys, values, mask))
+                fn = attention.prefill_attention if prefill else attention.decode_attention
+                run = _under_cap(cap, lambda fn=fn: fn(q, keys, values, mask))
+                if run() is not None:  # prefill_attention: None under caps it does not run under
+                    runs[path] = run
         for fn in runs.values():
             fn()  # warm up (builds the library)
         times = {key: [] for key in runs}

@@ -1544,39 +1544,15 @@ static inline void pa_sum(const float* p, int64_t ldp, const uint16_t* v, int64_
 template <int NQ>
 static void pa_block(const uint32_t* const* qd, const uint32_t* kp, int64_t half, int64_t jb0, int64_t jb1, float scale,
                      float* sc, int64_t ldsc) {
-    for (int64_t jb = jb0; jb < jb1; jb += kPaKB) {
-        switch (std::min<int64_t>(kPaKB, jb1 - jb)) {
-            case 1: pa_scores<NQ, 1>(qd, kp, jb, half, scale, sc, ldsc); break;
-            case 2: pa_scores<NQ, 2>(qd, kp, jb, half, scale, sc, ldsc); break;
-            case 3: pa_scores<NQ, 3>(qd, kp, jb, half, scale, sc, ldsc); break;
-            default: pa_scores<NQ, kPaKB>(qd, kp, jb, half, scale, sc, ldsc); break;
-        }
-    }
+    for (int64_t jb = jb0; jb < jb1; jb += kPaKB)
+        with_rows<1, kPaKB>(jb1 - jb, [&](auto B) { pa_scores<NQ, decltype(B)::value>(qd, kp, jb, half, scale, sc, ldsc); });
 }
 
 template <int NQ>
 static void pa_weighted(const float* p, int64_t ldp, const uint16_t* v, int64_t vn, int64_t j0, int64_t j1, int64_t D,
                         float* out, int64_t ldo) {
-    for (int64_t d0 = 0; d0 < D; d0 += 16 * kPaDV) {
-        switch (std::min<int64_t>(kPaDV, (D - d0) / 16)) {
-            case 1: pa_sum<NQ, 1>(p, ldp, v, vn, j0, j1, d0, out, ldo); break;
-            case 2: pa_sum<NQ, 2>(p, ldp, v, vn, j0, j1, d0, out, ldo); break;
-            case 3: pa_sum<NQ, 3>(p, ldp, v, vn, j0, j1, d0, out, ldo); break;
-            default: pa_sum<NQ, kPaDV>(p, ldp, v, vn, j0, j1, d0, out, ldo); break;
-        }
-    }
-}
-
-template <class F>
-static inline void with_queries(int nq, F&& f) {
-    switch (nq) {
-        case 1: f(std::integral_constant<int, 1>{}); break;
-        case 2: f(std::integral_constant<int, 2>{}); break;
-        case 3: f(std::integral_constant<int, 3>{}); break;
-        case 4: f(std::integral_constant<int, 4>{}); break;
-        case 5: f(std::integral_constant<int, 5>{}); break;
-        default: f(std::integral_constant<int, kPaQ>{}); break;
-    }
+    for (int64_t d0 = 0; d0 < D; d0 += 16 * kPaDV)
+        with_rows<1, kPaDV>((D - d0) / 16, [&](auto V) { pa_sum<NQ, decltype(V)::value>(p, ldp, v, vn, j0, j1, d0, out, ldo); });
 }
 
 // First allowed key and one past the last of a mask row (0, 0: none), 64 bytes at a time.
@@ -1970,7 +1946,7 @@ int llk_prefill_attention(const uint16_t* q, const int64_t* qs, const uint16_t* 
                     }
                     if (j1 > j0) {
                         const int64_t jb0 = j0 / 16, jb1 = (j1 + 15) / 16;
-                        with_queries(nq, [&](auto Q) { pa_block<decltype(Q)::value>(qd, kbg, half, jb0, jb1, scale, sc.data(), ldsc); });
+                        with_rows<1, kPaQ>(nq, [&](auto Q) { pa_block<decltype(Q)::value>(qd, kbg, half, jb0, jb1, scale, sc.data(), ldsc); });
                         for (int r = 0; r < nq; r++) {  // softmax under the row's own mask; masked keys weigh 0
                             float* pr = sc.data() + r * ldsc;
                             __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -1993,7 +1969,7 @@ int llk_prefill_attention(const uint16_t* q, const int64_t* qs, const uint16_t* 
                             }
                             sums[r] = _mm512_reduce_add_ps(sum);
                         }
-                        with_queries(nq, [&](auto Q) {
+                        with_rows<1, kPaQ>(nq, [&](auto Q) {
                             pa_weighted<decltype(Q)::value>(sc.data(), ldsc, vbg, kvs[4], j0, j1, D, acc.data(), D);
                         });
                     }
