@@ -33,6 +33,7 @@ from scripts.common import (
     speed_line,
     stream_text,
     text_flag,
+    with_flag_help,
 )
 
 DEMO_DIALOGS: list[list[RawMessage]] = [
@@ -65,6 +66,7 @@ def image_dialog() -> list[RawMessage]:
     return [RawMessage(role="user", content=[*items, RawTextItem(text="Write a haiku that brings both images together")])]
 
 
+@with_flag_help
 def main(
     checkpoint_dir: str,
     world_size: Optional[int] = None,
@@ -88,38 +90,26 @@ def main(
     """Chat with a Llama 4 model.
 
     Args:
-        checkpoint_dir: Folder of the checkpoint: Meta's layout (params.json, consolidated.NN.pth) or Hugging
-            Face's (config.json, *.safetensors). Any model-parallel size is resharded to the world size.
-        world_size: Number of model-parallel processes; must equal the number torchrun launched. By default
-            torchrun's WORLD_SIZE, or 1 without torchrun.
+        {checkpoint_dir}
+        {world_size}
         max_seq_len: Longest conversation in tokens (prompt and reply) the KV cache holds.
         max_batch_size: Most dialogs generated together; the demo dialogs run in batches of this size.
-        temperature: Sampling temperature; 0 picks the most likely token (greedy).
-        top_p: Nucleus sampling: sample from the most likely tokens whose probabilities add up to top_p, in (0, 1].
+        {temperature}
+        {top_p}
         max_gen_len: Most tokens in one reply (default: until a stop token or max_seq_len).
-        quantization_mode: How weights are held: none (unquantized, as --dtype), int4_mixed, fp8_mixed, w4a8 or nvfp4.
-            A Hugging Face quantized folder (compressed-tensors, fbgemm_fp8) runs in its own mode when none is given.
+        {quantization_mode}
         prompt: One user message to answer instead of the demo dialogs (with --interactive, the first turn).
         image: An image file shown to the model with --prompt (with --interactive, in the first turn); repeat
             the flag for several images. Needs a checkpoint with a vision tower.
         interactive: Multi-turn chat reading one user message per line from stdin, streaming each reply
             and its speed; ends on end of input or a line `exit`.
-        seed: Random seed for sampling (the same on every rank, so ranks agree on every token).
-        tokenizer_path: A tokenizer.model to use instead of the checkpoint folder's (or llama-models' copy).
-        dtype: Number format of weights and activations, bf16 or fp32. fp32 takes twice the memory, gives
-            the same greedy tokens at every world size, and is faster on CPUs without bf16 arithmetic.
-        kernels: Compute path of quantized layers (and, on a CPU in bf16, of the layers left in bf16):
-            auto (fastest correct one for the device), reference (plain torch), cpu (CPU fast paths) or
-            triton (CUDA GPUs).
-        kv_cache_dtype: Number format of the KV cache: bf16, fp32, or fp8 (e4m3 with a scale per token and
-            head: about half of bf16's memory; logits moved by ~0.2 on a test model); default as --dtype.
-        compile: Compile the decode step (torch.compile; CUDA graphs on a GPU) at load, which takes from
-            a minute to several once (printed); one process only. Default: on for one CUDA GPU (3-6x
-            eager's decode speed on an H200), off on a CPU (measured no faster than eager); the
-            environment's LLAMA_LITE_COMPILE=1 / 0 overrides it.
-        int8_activations: With int4 weights (int4_mixed), quantize each int4 layer's activations to int8 per
-            32 values and multiply with integer dot products: faster on CPUs, slightly lossy (on MiniLM's
-            real layers the output error grew from 0.1036 to 0.1038; see scripts.quant_error).
+        {seed}
+        {tokenizer_path}
+        {dtype}
+        {kernels}
+        {kv_cache_dtype}
+        {compile}
+        {int8_activations}
     """
     ckpt = path_flag("checkpoint_dir", checkpoint_dir)
     prompt = text_flag("prompt", prompt)

@@ -4,6 +4,7 @@ output under torchrun, flag checks, building the model, broadcasting input, and 
 import codecs
 import inspect
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,48 @@ USER_ERROR_STATUS = 2
 
 class FlagError(ValueError):
     """A command-line flag has a value the script cannot use."""
+
+
+# Help text of the flags several scripts share, as fire shows it (from the Args: section of a script's
+# main docstring). A docstring names one with a line ``{name}`` where its entry goes; with_flag_help
+# puts the text there, so every script says the same of the same flag.
+FLAG_HELP = {
+    "checkpoint_dir": """Folder of the checkpoint: Meta's layout (params.json, consolidated.NN.pth) or Hugging
+    Face's (config.json, *.safetensors). Any model-parallel size is resharded to the world size.""",
+    "world_size": """Number of model-parallel processes; must equal the number torchrun launched. By default
+    torchrun's WORLD_SIZE, or 1 without torchrun.""",
+    "temperature": "Sampling temperature; 0 picks the most likely token (greedy).",
+    "top_p": "Nucleus sampling: sample from the most likely tokens whose probabilities add up to top_p, in (0, 1].",
+    "quantization_mode": """How weights are held: none (unquantized, as --dtype), int4_mixed, fp8_mixed, w4a8 or nvfp4.
+    A Hugging Face quantized folder (compressed-tensors, fbgemm_fp8) runs in its own mode when none is given.""",
+    "seed": "Random seed for sampling (the same on every rank, so ranks agree on every token).",
+    "tokenizer_path": "A tokenizer.model to use instead of the checkpoint folder's (or llama-models' copy).",
+    "dtype": """Number format of weights and activations, bf16 or fp32. fp32 takes twice the memory, gives
+    the same greedy tokens at every world size, and is faster on CPUs without bf16 arithmetic.""",
+    "kernels": """Compute path of quantized layers (and, on a CPU in bf16, of the layers left in bf16):
+    auto (fastest correct one for the device), reference (plain torch), cpu (CPU fast paths) or
+    triton (CUDA GPUs).""",
+    "kv_cache_dtype": """Number format of the KV cache: bf16, fp32, or fp8 (e4m3 with a scale per token and
+    head: about half of bf16's memory; logits moved by ~0.2 on a test model); default as --dtype.""",
+    "compile": """Compile the decode step (torch.compile; CUDA graphs on a GPU) at load, which takes from
+    a minute to several once (printed); one process only. Default: on for one CUDA GPU (3-6x
+    eager's decode speed on an H200), off on a CPU (measured no faster than eager); the
+    environment's LLAMA_LITE_COMPILE=1 / 0 overrides it.""",
+    "int8_activations": """With int4 weights (int4_mixed), quantize each int4 layer's activations to int8 per
+    32 values and multiply with integer dot products: faster on CPUs, slightly lossy (on MiniLM's
+    real layers the output error grew from 0.1036 to 0.1038; see scripts.quant_error).""",
+}
+
+
+def with_flag_help(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Fill each ``{name}`` line of fn's docstring with ``name: FLAG_HELP[name]``, indented as the line."""
+
+    def entry(match: "re.Match[str]") -> str:
+        indent, name = match.group(1), match.group(2)
+        return indent + f"{name}: {FLAG_HELP[name]}".replace("\n", "\n" + indent)
+
+    fn.__doc__ = re.sub(r"^( *)\{(\w+)\}$", entry, fn.__doc__ or "", flags=re.M)
+    return fn
 
 
 # --- process and output -----------------------------------------------------------------

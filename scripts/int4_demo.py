@@ -23,7 +23,7 @@ from llama_lite.chat_format import RawMessage
 from llama_lite.errors import CheckpointError
 from quantization import build
 from quantization.modules import model_weight_bytes
-from scripts.common import run_cli
+from scripts.common import run_cli, with_flag_help
 
 DEMO_PROMPT = "Explain in two sentences why quantized inference saves memory."
 
@@ -68,6 +68,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+@with_flag_help
 def demo(
     checkpoint_dir: Optional[str] = None,
     prompt: str = DEMO_PROMPT,
@@ -89,10 +90,7 @@ def demo(
         top_p: nucleus sampling threshold.
         max_seq_len: KV cache length.
         device: cpu or cuda (default: cuda if available).
-        compile: Compile the decode step (torch.compile; CUDA graphs on a GPU) at load, which takes from
-            a minute to several once (printed); one process only. Default: on for one CUDA GPU (3-6x
-            eager's decode speed on an H200), off on a CPU (measured no faster than eager); the
-            environment's LLAMA_LITE_COMPILE=1 / 0 overrides it.
+        {compile}
     """
     ckpt = Path(checkpoint_dir).expanduser() if checkpoint_dir else prepare_synthetic(cache_dir())
     start = time.perf_counter()

@@ -29,6 +29,7 @@ from scripts.common import (
     run_cli,
     set_kernels,
     text_flag,
+    with_flag_help,
 )
 
 
@@ -88,6 +89,7 @@ def score(llama, wins: list[torch.Tensor], store: Path, base: Optional[Path]) ->
     return res
 
 
+@with_flag_help
 def main(
     checkpoint_dirs: str,
     text: Optional[str] = None,
@@ -112,9 +114,9 @@ def main(
             mode none). Default: the first bf16 checkpoint of checkpoint_dirs; without one, no KL divergence.
         ctx: Tokens per window; the second half of each window is scored.
         chunks: Score at most this many windows (default: every whole window of the text).
-        world_size: Number of model-parallel processes (torchrun's); default 1 without torchrun.
-        dtype: Number format of weights and activations, bf16 or fp32.
-        kernels: Compute path of quantized layers: auto, reference, cpu or triton.
+        {world_size}
+        {dtype}
+        {kernels}
     """
     text = text_flag("text", text)
     if text is None:

@@ -10,8 +10,8 @@ import fire
 import pytest
 
 from llama_lite.chat_format import RawMessage
-from scripts import chat_completion, completion, random_checkpoint
-from scripts.common import FlagError, check_flag_names, quote_text_flags, stream_text
+from scripts import chat_completion, completion, int4_demo, perplexity, random_checkpoint
+from scripts.common import FLAG_HELP, FlagError, check_flag_names, quote_text_flags, stream_text
 
 
 def expected_text(llama, steps) -> str:
@@ -87,12 +87,23 @@ def test_random_checkpoint_refuses_an_existing_folder_without_force(run_script, 
     assert "wrote" in forced.stdout
 
 
-@pytest.mark.parametrize("module", [chat_completion, completion, random_checkpoint], ids=lambda m: m.__name__)
-def test_every_flag_has_help_text(module):
-    """fire shows the docstring's Args: section as each flag's help."""
-    doc = inspect.getdoc(module.main)
+@pytest.mark.parametrize("fn", [chat_completion.main, completion.main, random_checkpoint.main, int4_demo.demo,
+                                perplexity.main], ids=lambda f: f.__module__)
+def test_every_flag_has_help_text(fn):
+    """fire shows the docstring's Args: section as each flag's help; a shared flag's entry is
+    FLAG_HELP's text, filled in where the docstring names it."""
+    doc = inspect.getdoc(fn)
     documented = set(re.findall(r"^    (\w+): \S", doc.split("Args:", 1)[1], flags=re.M))
-    assert documented == set(inspect.signature(module.main).parameters)
+    assert documented == set(inspect.signature(fn).parameters)
+    assert not re.search(r"^ *\{\w+\}$", doc, flags=re.M)
+
+
+def test_shared_flags_say_the_same_in_every_script():
+    for name in ("world_size", "dtype", "kernels"):
+        first_line = FLAG_HELP[name].split("\n")[0]
+        for fn in (chat_completion.main, completion.main, perplexity.main):
+            assert f"    {name}: {first_line}" in inspect.getdoc(fn)
+    assert "compile: " + FLAG_HELP["compile"].split("\n")[0] in inspect.getdoc(int4_demo.demo)
 
 
 def test_quantization_mode_is_accepted_by_both_chat_scripts():
