@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llama_lite.errors import PromptError
+from llama_lite.generation import nucleus, sample
 from llama_lite.model import MoE
 
 
@@ -210,3 +211,40 @@ def test_a_bare_cuda_device_gets_its_index(monkeypatch):
     assert resolve_device("cuda") == torch.device("cuda", 3)
     if not torch.cuda.is_available():
         assert resolve_device() == torch.device("cpu")
+
+
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float, top_k) -> torch.Tensor:
+    """Each row's sampling distribution over the whole vocabulary as a full sort computes it
+    (llama-models' sample_top_p, after a top-k cut)."""
+    sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+    if top_k is not None:
+        sorted_p[:, top_k:] = 0.0
+    sorted_p[(torch.cumsum(sorted_p, dim=-1) - sorted_p) > top_p] = 0.0
+    sorted_p /= sorted_p.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+
+
+@pytest.mark.parametrize("top_p, top_k", [(0.9, None), (0.5, None), (0.999, None), (1.0, None), (0.9, 50),
+                                          (0.95, 5000), (1.0, 7)])
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # nearly flat (a nucleus of most tokens) to peaked
+def test_nucleus_is_what_a_full_sort_keeps(top_p, top_k, scale):
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(3, 20000, generator=g) * scale, dim=-1)
+    kept, idx = nucleus(probs.clone(), top_p, top_k)
+    got = torch.zeros_like(probs).scatter_(-1, idx, kept)
+    ref = _nucleus_by_full_sort(probs, top_p, top_k)
+    differ = (got > 0) != (ref > 0)
+    # Only where a full sort's running sum passes 1.0 by rounding (top_p = 1) may a tail token differ.
+    assert differ.sum() == 0 or (top_p == 1.0 and top_k is None and probs[differ].max() < 1e-6)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_sampling_draws_from_the_nucleus_in_proportion():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, -3.0, -4.0]]).repeat(2, 1)
+    probs = torch.softmax(logits / 0.7, dim=-1)
+    expected = _nucleus_by_full_sort(probs, 0.8, None)[0]
+    gen = torch.Generator().manual_seed(1)
+    draws = torch.cat([sample(logits, 0.7, 0.8, None, gen) for _ in range(3000)])
+    freq = torch.bincount(draws, minlength=8).float() / draws.numel()
+    assert set(draws.tolist()) == set(torch.nonzero(expected).flatten().tolist())
+    torch.testing.assert_close(freq, expected, rtol=0, atol=0.02)
