@@ -67,3 +67,10 @@ def merge_weights(shards: list[QuantizedWeight], split: str) -> QuantizedWeight:
         axis = _axis(first, name, split)
         parts[name] = t if axis is None else torch.cat([getattr(s, name) for s in shards], dim=axis)
     return replace(first, **parts, prepared={})
+
+
+def stack_experts(experts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Experts quantized one at a time ([N, K] each) as one [E, N, K] weight."""
+    first = experts[0]
+    stacked = {name: torch.stack([getattr(e, name) for e in experts]) for name in tensor_fields(first)}
+    return replace(first, **stacked, prepared={})

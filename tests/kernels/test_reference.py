@@ -17,6 +17,7 @@ from kernels.formats import (
     pack_int4,
     select_expert,
     unpack_fp4,
+    unpack_int4,
 )
 
 E4M3_GRID = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
@@ -217,3 +218,13 @@ def test_int8_block_quantization():
     assert bool((blocks.abs().amax(-1)[s > 0] == 127).all())
     deq = R.fake_quantize_int8_activations(x)
     assert bool(((deq - x).abs() <= s.repeat_interleave(32, -1) / 2 * (1 + 1e-6)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32])
+def test_int4_packing_is_low_nibble_first_and_round_trips(dtype):
+    pairs = torch.cartesian_prod(torch.arange(-8, 8), torch.arange(-8, 8))  # every (even K, odd K) pair
+    packed = pack_int4(pairs.reshape(-1).to(dtype))
+    assert packed.dtype == torch.uint8
+    assert packed.tolist() == [(lo & 0xF) | ((hi & 0xF) << 4) for lo, hi in pairs.tolist()]
+    q = torch.randint(-8, 8, (3, 5, 64), dtype=torch.int8)
+    assert torch.equal(unpack_int4(pack_int4(q)), q)

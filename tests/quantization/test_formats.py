@@ -207,3 +207,28 @@ def test_nvfp4_activation_dynamic_local_static_global():
 def test_nvfp4_needs_k_divisible_by_16():
     with pytest.raises(ValueError, match="group_size 16 does not divide the last dimension 40"):
         quantize_nvfp4(torch.randn(8, 40))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "w4a8", "nvfp4"])
+def test_expert_stacks_quantize_one_expert_at_a_time_to_the_same_numbers(fmt):
+    """quantize_weight takes an [E, N, K] stack expert by expert, and Meta's [E, K, N] storage as a
+    transposed view: the result is the whole-stack quantization's, bit for bit, and contiguous."""
+    from quantization.convert import contiguous_weight, quantize_weight
+    from quantization.sharding import tensor_fields
+
+    g = torch.Generator().manual_seed(5)
+    stored = (torch.randn(3, 256, 48, generator=g) * torch.rand(3, 1, 48, generator=g)).to(torch.bfloat16)
+    view = stored.transpose(1, 2)  # [E, N=48, K=256], K strided
+    assert torch.equal(contiguous_weight(view), view.contiguous())
+    whole = {"int4": lambda w: quantize_int4(w, 128), "fp8": quantize_fp8_rowwise, "w4a8": lambda w: quantize_w4a8(w, 128),
+             "nvfp4": quantize_nvfp4}[fmt](view.contiguous())
+    got = quantize_weight(view, fmt, group_size=128)
+    assert type(got) is type(whole)
+    want, have = tensor_fields(whole), tensor_fields(got)
+    assert want.keys() == have.keys()
+    for name, t in want.items():
+        u = have[name]
+        assert u.shape == t.shape and u.dtype == t.dtype and u.is_contiguous(), name
+        if t.element_size() == 1 and t.is_floating_point():
+            t, u = t.view(torch.uint8), u.view(torch.uint8)
+        assert torch.equal(u, t), name
