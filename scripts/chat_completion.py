@@ -104,12 +104,7 @@ def main(
         interactive: Multi-turn chat reading one user message per line from stdin, streaming each reply
             and its speed; ends on end of input or a line `exit`.
         {seed}
-        {tokenizer_path}
-        {dtype}
-        {kernels}
-        {kv_cache_dtype}
-        {compile}
-        {int8_activations}
+        {build_flags}
     """
     ckpt = path_flag("checkpoint_dir", checkpoint_dir)
     prompt = text_flag("prompt", prompt)

@@ -54,12 +54,7 @@ def main(
         max_gen_len: Most new tokens (default: until a stop token or max_seq_len).
         {quantization_mode}
         {seed}
-        {tokenizer_path}
-        {dtype}
-        {kernels}
-        {kv_cache_dtype}
-        {compile}
-        {int8_activations}
+        {build_flags}
     """
     ckpt = path_flag("checkpoint_dir", checkpoint_dir)
     prompt = text_flag("prompt", prompt)
