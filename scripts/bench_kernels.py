@@ -331,7 +331,7 @@ def main(quick: bool = False, json: Optional[str] = None, backends: str = "cpu,r
         reps: timed rounds per row (default 7, quick 3).
         cases: comma list of case names (expert_w1, stack16, moe16, attention, prefill_attention) to run; default all.
         isa: run the cpu path under each of these CPU caps (comma list of amx, avx512, avx2, none,
-            or ``all`` for every cap this CPU can run); default: the cap in force only.
+            or ``all`` for every cap this CPU can run); by default the cap in force only.
     """
     run(quick, json, backends, reps, cases, isa)
 

@@ -707,7 +707,7 @@ def main(
         preset: Synthetic checkpoint preset to write and use when no --checkpoint is given (default bench; tiny with --quick).
         checkpoint: A bf16 checkpoint folder (Meta or Hugging Face layout) to use instead.
         modes: Comma-separated: bf16, int4_mixed, fp8_mixed, w4a8, nvfp4, int4_all (int4 of attention, experts, shared expert and output),
-            int4_mixed_a8 and int4_all_a8 (the same with int8 activations: quantization.build(int8_activations=True)).
+            int4_mixed_a8 and int4_all_a8 (the same with int8 activations, quantization.build(int8_activations=True)).
         peers: Also run llama-models' reference and transformers' Llama4ForCausalLM (bf16 decode at batch 1).
         quick: Tiny preset, a few tokens: a smoke test that takes seconds.
         out: Where to write the results as JSON.
@@ -719,7 +719,7 @@ def main(
         wait_quiet: Before each timed run, wait up to this many seconds for other processes to leave the
             CPUs (< 15% of their time); 0 never waits. "others' CPU %" in the table says how quiet it was.
         llama_cpp: A llama.cpp build folder (bin/llama-bench, bin/llama-quantize) inside its source
-            (convert_hf_to_gguf.py): also convert the Hugging Face export to GGUF bf16 / Q8_0 / Q4_0 once
+            (convert_hf_to_gguf.py); also convert the Hugging Face export to GGUF bf16 / Q8_0 / Q4_0 once
             (cached beside it) and run llama-bench on each with the same threads and lengths.
     """
     modes_text = text_flag("modes", modes) or ""

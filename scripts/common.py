@@ -36,7 +36,8 @@ class FlagError(ValueError):
 
 # Help text of the flags several scripts share, as fire shows it (from the Args: section of a script's
 # main docstring). A docstring names one with a line ``{name}`` where its entry goes; with_flag_help
-# puts the text there, so every script says the same of the same flag.
+# puts the text there, so every script says the same of the same flag. fire keeps only what precedes
+# a colon on an entry's later lines, so those have none.
 FLAG_HELP = {
     "checkpoint_dir": """Folder of the checkpoint: Meta's layout (params.json, consolidated.NN.pth) or Hugging
     Face's (config.json, *.safetensors). Any model-parallel size is resharded to the world size.""",
@@ -54,13 +55,13 @@ FLAG_HELP = {
     auto (fastest correct one for the device), reference (plain torch), cpu (CPU fast paths) or
     triton (CUDA GPUs).""",
     "kv_cache_dtype": """Number format of the KV cache: bf16, fp32, or fp8 (e4m3 with a scale per token and
-    head: about half of bf16's memory; logits moved by ~0.2 on a test model); default as --dtype.""",
+    head, about half of bf16's memory; logits moved by ~0.2 on a test model); default as --dtype.""",
     "compile": """Compile the decode step (torch.compile; CUDA graphs on a GPU) at load, which takes from
-    a minute to several once (printed); one process only. Default: on for one CUDA GPU (3-6x
+    a minute to several once (printed); one process only. On by default for one CUDA GPU (3-6x
     eager's decode speed on an H200), off on a CPU (measured no faster than eager); the
     environment's LLAMA_LITE_COMPILE=1 / 0 overrides it.""",
     "int8_activations": """With int4 weights (int4_mixed), quantize each int4 layer's activations to int8 per
-    32 values and multiply with integer dot products: faster on CPUs, slightly lossy (on MiniLM's
+    32 values and multiply with integer dot products, faster on CPUs and slightly lossy (on MiniLM's
     real layers the output error grew from 0.1036 to 0.1038; see scripts.quant_error).""",
 }
 

@@ -83,7 +83,7 @@ def demo(
 
     Args:
         checkpoint_dir: a bf16 (Meta or Hugging Face layout) or pre-quantized INT4 checkpoint of
-            any MP size; default: the cached synthetic demo checkpoint (created on first run).
+            any MP size; by default the cached synthetic demo checkpoint (created on first run).
         prompt: the user message.
         max_gen_len: most tokens to generate.
         temperature: sampling temperature (0 = greedy).

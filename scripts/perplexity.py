@@ -111,7 +111,7 @@ def main(
         quantization_mode: Mode(s) each bf16 checkpoint is loaded in, comma-separated, or "all" (none and
             every quantization mode); default none. A pre-quantized folder always runs in its own mode.
         base: The bf16 checkpoint the KL divergence and top-1 agreement are measured against (run in
-            mode none). Default: the first bf16 checkpoint of checkpoint_dirs; without one, no KL divergence.
+            mode none). By default the first bf16 checkpoint of checkpoint_dirs; without one, no KL divergence.
         ctx: Tokens per window; the second half of each window is scored.
         chunks: Score at most this many windows (default: every whole window of the text).
         {world_size}

@@ -86,7 +86,7 @@ def quantize(
         quantization_mode: int4_mixed, fp8_mixed, w4a8 or nvfp4.
         world_size: number of ranks (torchrun's --nproc-per-node); each writes one model.NN.safetensors.
         targets: comma-separated parts to quantize (experts, shared_expert, ffn, attention, output, or
-            "all"); default: the mode's own.
+            "all"); by default the mode's own.
         group_size: int4 / w4a8 group size along the input dimension.
         fp8_activation_scale_ub: upper bound of fp8 per-token activation scales (stored for loading).
         force: replace an existing output folder.

@@ -98,6 +98,25 @@ def test_every_flag_has_help_text(fn):
     assert not re.search(r"^ *\{\w+\}$", doc, flags=re.M)
 
 
+def _entry_points():
+    from scripts import bench_context, bench_kernels, benchmark, gpu_check, quantize
+
+    return [chat_completion.main, completion.main, random_checkpoint.main, int4_demo.demo, perplexity.main,
+            quantize.quantize, benchmark.main, bench_kernels.main, bench_context.main, gpu_check.gpu_check]
+
+
+@pytest.mark.parametrize("fn", _entry_points(), ids=lambda f: f.__module__)
+def test_fire_shows_each_flags_whole_help(fn):
+    """fire's docstring parser keeps only the text before a colon on an entry's later lines (and
+    takes ``word:`` there for a new flag): every flag's help as fire parses it is the whole entry."""
+    from fire import docstrings
+
+    doc = inspect.getdoc(fn)
+    entries = re.findall(r"^    (\w+): (.*?)(?=^    \w+: |\Z)", doc.split("Args:", 1)[1], flags=re.M | re.S)
+    parsed = {a.name: " ".join(a.description.split()) for a in docstrings.parse(doc).args}
+    assert entries and {name: " ".join(text.split()) for name, text in entries} == parsed
+
+
 def test_shared_flags_say_the_same_in_every_script():
     for name in ("world_size", "dtype", "kernels"):
         first_line = FLAG_HELP[name].split("\n")[0]
