@@ -360,7 +360,8 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: Option
 def nucleus(probs: torch.Tensor, top_p: float, top_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(probabilities, token ids) of each row's most likely tokens, most likely first: the top-k, then
     the smallest prefix of them whose mass reaches top_p (the first token always stays), renormalized;
-    zeros pad the rows whose nucleus is shorter than another row's.
+    zeros pad the rows whose nucleus is shorter than another row's. With top_p 1 and no top-k: every
+    token, in vocabulary order.
 
     Only the most likely 256 tokens are sorted (torch.topk) unless the nucleus needs more, then 16384,
     then all: on a CPU a full sort of a 202048-token vocabulary takes ~15 ms a row, longer than a
