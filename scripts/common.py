@@ -66,18 +66,18 @@ FLAG_HELP = {
 }
 
 
-# How a model is built, as the chat scripts take it: ``{build_flags}`` in a docstring stands for these.
-BUILD_FLAGS = ("tokenizer_path", "dtype", "kernels", "kv_cache_dtype", "compile", "int8_activations")
+# Names a docstring line ``{group}`` stands for, in order: how the chat scripts build a model.
+FLAG_GROUPS = {"build_flags": ("tokenizer_path", "dtype", "kernels", "kv_cache_dtype", "compile", "int8_activations")}
 
 
 def with_flag_help(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Fill each ``{name}`` line of fn's docstring with ``name: FLAG_HELP[name]``, indented as the line
-    (``{build_flags}``: one such entry for each of BUILD_FLAGS)."""
+    (a FLAG_GROUPS name: one such entry per flag of the group)."""
 
     def entry(match: "re.Match[str]") -> str:
         indent, name = match.group(1), match.group(2)
-        names = BUILD_FLAGS if name == "build_flags" else (name,)
-        return "\n".join(indent + f"{n}: {FLAG_HELP[n]}".replace("\n", "\n" + indent) for n in names)
+        return "\n".join(indent + f"{n}: {FLAG_HELP[n]}".replace("\n", "\n" + indent)
+                         for n in FLAG_GROUPS.get(name, (name,)))
 
     fn.__doc__ = re.sub(r"^( *)\{(\w+)\}$", entry, fn.__doc__ or "", flags=re.M)
     return fn
