@@ -41,14 +41,10 @@ from .checkpoint_io import (
 from .formats import quantize_fp8_rowwise, quantize_int4, quantize_nvfp4, quantize_w4a8, w4a8_from_int4
 from .modes import MODE_FORMAT, QuantizationMode, parse_mode, parse_targets
 from .modules import KernelExperts, KernelFeedForward, KernelLinear, QuantizedExperts, QuantizedFeedForward, QuantizedLinear
-from .sharding import merge_weights, slice_weight, stack_experts, tensor_fields
+from .sharding import slice_weight, stack_experts, tensor_fields
 from .sources import hf_quantization_config, open_hf_source
 
 log = logging.getLogger("llama_lite.quantization")
-
-
-# Rows of a 2-D weight quantized at a time (int4 / fp8 / w4a8): 16384 x 5120 fp32 = 320 MiB.
-ROWS_PER_PIECE = 16384
 
 
 def contiguous_weight(w: torch.Tensor) -> torch.Tensor:
@@ -77,12 +73,6 @@ def quantize_weight(w: torch.Tensor, fmt: str, group_size: int = 128, fp8_activa
         # the temporaries and the contiguous copy below are one expert's size, and in cache.
         return stack_experts([quantize_weight(w[e], fmt, group_size, fp8_activation_scale_ub, nvfp4_activation_amax)
                               for e in range(len(w))])
-    if fmt in ("int4", "fp8", "w4a8") and w.dim() == 2 and w.shape[0] > ROWS_PER_PIECE:
-        # Rows quantize independently in these formats: a large matrix (the output layer) goes in
-        # pieces, so its fp32 temporaries never exceed one piece.
-        pieces = [quantize_weight(w[i : i + ROWS_PER_PIECE], fmt, group_size, fp8_activation_scale_ub)
-                  for i in range(0, w.shape[0], ROWS_PER_PIECE)]
-        return merge_weights(pieces, "N")
     w = contiguous_weight(w)
     if fmt == "int4":
         return quantize_int4(w, group_size)

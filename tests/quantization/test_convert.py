@@ -183,21 +183,22 @@ def test_tensor_parallel_gives_the_same_tokens(tiny_ckpt, tmp_path):
             assert two[mode]["greedy"][0][:2] == one[mode]["greedy"][0][:2], (isa, mode)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp8", "w4a8"])
-def test_large_weights_quantize_in_pieces_to_the_same_values(fmt, monkeypatch):
-    """Row-wise formats quantize a tall matrix in pieces of rows (bounded temporaries); the
-    pieces join into exactly what quantizing it whole gives."""
-    import quantization.convert as convert
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "w4a8", "nvfp4"])
+def test_large_weights_quantize_in_row_blocks_to_the_same_values(fmt, monkeypatch):
+    """A tall matrix quantizes in blocks of rows (temporaries of one block, in cache); the blocks,
+    the last one short, give exactly what quantizing it in one block gives."""
+    import quantization.formats as formats
     from quantization.sharding import tensor_fields
 
     w = (torch.randn(5 * 48 + 7, 256) * torch.logspace(-3, 1, 5 * 48 + 7).unsqueeze(1)).to(torch.bfloat16)
+    monkeypatch.setattr(formats, "BLOCK_VALUES", w.numel())
     whole = quantize_weight(w, fmt)
-    monkeypatch.setattr(convert, "ROWS_PER_PIECE", 48)
-    calls = []
-    real = convert.merge_weights
-    monkeypatch.setattr(convert, "merge_weights", lambda parts, split: calls.append(len(parts)) or real(parts, split))
+    monkeypatch.setattr(formats, "BLOCK_VALUES", 48 * 256)
+    blocks = []
+    real = formats._row_blocks
+    monkeypatch.setattr(formats, "_row_blocks", lambda t: blocks.append(len(real(t))) or real(t))
     pieces = quantize_weight(w, fmt)
-    assert calls == [6]
+    assert blocks == [6]
     assert type(pieces) is type(whole)
     for name, t in tensor_fields(whole).items():
         assert torch.equal(getattr(pieces, name), t), name

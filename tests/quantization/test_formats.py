@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels.formats import Fp8Weight, Int4Weight, NVFP4Weight, W4A8Weight, dequantize_weight, unpack_fp4, unpack_int4
+import quantization.formats
 from quantization.formats import (
     FP8_ROWWISE_ARGS,
     FP8_TOKEN_ARGS,
@@ -26,6 +27,13 @@ from quantization.formats import (
 from quantization.qdq import compute_global_scale, compute_qparams, dequantize, fake_quantize, quantize
 
 SHAPES = [(64, 256), (2, 32, 256)]  # a linear weight, and stacked experts [E, N, K]
+
+
+@pytest.fixture(autouse=True, params=["one_block", "row_blocks"])
+def block_values(request, monkeypatch):
+    """Every test twice: weights quantized in one block, and one row at a time (as large weights are)."""
+    if request.param == "row_blocks":
+        monkeypatch.setattr(quantization.formats, "BLOCK_VALUES", 1)
 
 
 def weight(shape, dtype=torch.bfloat16, std=0.02, seed=0):
