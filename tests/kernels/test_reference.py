@@ -199,9 +199,14 @@ def test_fp4_codes_round_trip_and_reject_off_grid_values():
     values = FP4_VALUES[torch.randint(0, 16, (33, 64))]
     back = unpack_fp4(pack_fp4(values))
     assert torch.equal(back, values) and torch.equal(torch.signbit(back), torch.signbit(values))
-    for bad in (0.25, 2.5, 5.0, 7.0, -12.0, float("nan"), float("inf")):
+    assert torch.equal(pack_fp4(values.to(torch.bfloat16)), pack_fp4(values))
+    assert torch.equal(fp4_codes(values.t()), fp4_codes(values.t().contiguous()))  # any strides
+    # 1 + 2**-20 is 1.0 in bf16: off the grid all the same
+    for bad in (0.25, 2.5, 5.0, 7.0, -12.0, 1.0 + 2**-20, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="e2m1 grid"):
             fp4_codes(torch.tensor([1.0, bad]))
+    with pytest.raises(ValueError, match="e2m1 grid"):
+        fp4_codes(torch.tensor([1.0, 2.5], dtype=torch.bfloat16))
 
 
 def test_int8_block_quantization():
