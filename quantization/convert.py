@@ -48,10 +48,13 @@ log = logging.getLogger("llama_lite.quantization")
 
 
 def contiguous_weight(w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``w.contiguous()``, in ``out`` (w's shape and dtype) when given and a copy is needed. Meta's checkpoints store routed experts as [E, K, N], so their [E, N, K] view
-    has its last two dims transposed in memory; that is copied 16 values of K at a time, which took
-    a bench-preset expert stack (8 x 4096 x 2048 bf16) 94 ms against 348 for PyTorch's one-pass
-    transposing copy, and 1.1 s to quantize to int4 without copying (reductions over a strided K)."""
+    """``w.contiguous()``, written into ``out`` (w's shape and dtype) when given and a copy is needed.
+
+    Meta's checkpoints store routed experts as [E, K, N], so their [E, N, K] view has its last two
+    dims transposed in memory; that is copied 16 values of K at a time, which took a bench-preset
+    expert stack (8 x 4096 x 2048 bf16) 94 ms against 348 for PyTorch's one-pass transposing copy
+    (one expert: about the same), and 1.1 s to quantize to int4 without copying (reductions over a
+    strided K)."""
     if w.is_contiguous() or w.dim() < 2 or w.stride(-2) != 1 or w.device.type != "cpu":
         return w.contiguous()
     out = torch.empty(w.shape, dtype=w.dtype) if out is None else out
