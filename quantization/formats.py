@@ -21,11 +21,14 @@ NVFP4_GROUP = 16
 BLOCK_VALUES = 1 << 18
 
 
-def _row_blocks(w: torch.Tensor) -> list[slice]:
-    """Slices of w's rows (dim -2) into blocks of about ``BLOCK_VALUES`` values each."""
+def _row_blocks(w: torch.Tensor) -> list[tuple]:
+    """Indices of w's blocks of rows (dim -2), each about ``BLOCK_VALUES`` values; they index the
+    outputs too (same leading dims and rows). A 1-D w is one block."""
+    if w.dim() < 2:
+        return [(...,)]
     n, k = w.shape[-2], w.shape[-1]
     rows = max(1, BLOCK_VALUES // max(1, k * (w.numel() // max(1, n * k))))
-    return [slice(i, i + rows) for i in range(0, n, rows)]
+    return [(..., slice(i, i + rows), slice(None)) for i in range(0, n, rows)]
 
 
 def int4_args(group_size: int = 128) -> QuantArgs:
@@ -49,15 +52,12 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128) -> Int4Weight:
     if w.shape[-1] % group_size:
         raise ValueError(f"group_size {group_size} does not divide K={w.shape[-1]} of weight {tuple(w.shape)}.")
     args = int4_args(group_size)
-    if w.dim() < 2:
-        scale, _ = compute_qparams(w, args)
-        return Int4Weight(qweight=pack_int4(quantize(w, args, scale, dtype=torch.int8)), scales=scale, group_size=group_size)
     qweight = torch.empty((*w.shape[:-1], w.shape[-1] // 2), dtype=torch.uint8, device=w.device)
     scales = torch.empty((*w.shape[:-1], w.shape[-1] // group_size), dtype=w.dtype, device=w.device)
-    for rows in _row_blocks(w):  # groups lie along K: row blocks quantize independently
-        b = w[..., rows, :]
-        scales[..., rows, :], _ = compute_qparams(b, args)
-        qweight[..., rows, :] = pack_int4(quantize(b, args, scales[..., rows, :], dtype=torch.int8))
+    for block in _row_blocks(w):  # groups lie along K: row blocks quantize independently
+        b = w[block]
+        scales[block], _ = compute_qparams(b, args)
+        qweight[block] = pack_int4(quantize(b, args, scales[block], dtype=torch.int8))
     return Int4Weight(qweight=qweight, scales=scales, group_size=group_size)
 
 
@@ -67,17 +67,12 @@ def quantize_fp8_rowwise(w: torch.Tensor, activation_scale_ub: float = 1200.0) -
     Computed on ``w.float()`` so the scale is a true fp32 (the container's dtype); the
     activation scale bound is stored for the activation side (``quantize_fp8_per_token``).
     """
-    if w.dim() < 2:
-        wf = w.float()
-        scale, _ = compute_qparams(wf, FP8_ROWWISE_ARGS)
-        q = quantize(wf, FP8_ROWWISE_ARGS, scale, dtype=torch.float8_e4m3fn)
-        return Fp8Weight(weight=q, scale=scale.squeeze(-1), activation_scale_ub=activation_scale_ub)
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty((*w.shape[:-1], 1), dtype=torch.float32, device=w.device)
-    for rows in _row_blocks(w):  # one scale per row: row blocks quantize independently
-        b = w[..., rows, :].float()
-        scale[..., rows, :], _ = compute_qparams(b, FP8_ROWWISE_ARGS)
-        q[..., rows, :] = quantize(b, FP8_ROWWISE_ARGS, scale[..., rows, :], dtype=torch.float8_e4m3fn)
+    for block in _row_blocks(w):  # one scale per row: row blocks quantize independently
+        b = w[block].float()
+        scale[block], _ = compute_qparams(b, FP8_ROWWISE_ARGS)
+        q[block] = quantize(b, FP8_ROWWISE_ARGS, scale[block], dtype=torch.float8_e4m3fn)
     return Fp8Weight(weight=q, scale=scale.squeeze(-1), activation_scale_ub=activation_scale_ub)
 
 
@@ -145,11 +140,11 @@ def quantize_nvfp4(w: torch.Tensor, input_global_scale: Optional[torch.Tensor] =
     g = compute_global_scale(w, per_leading=len(lead) > 0)
     qweight = torch.empty((*w.shape[:-1], w.shape[-1] // 2), dtype=torch.uint8, device=w.device)
     scales = torch.empty((*w.shape[:-1], w.shape[-1] // NVFP4_GROUP), dtype=torch.float8_e4m3fn, device=w.device)
-    for rows in _row_blocks(w):  # the global scale is the whole weight's; the rest is per group along K
-        b = w[..., rows, :]
+    for block in _row_blocks(w):  # the global scale is the whole weight's; the rest is per group along K
+        b = w[block]
         scale, _ = compute_qparams(b, NVFP4_WEIGHT_ARGS, global_scale=g)
-        qweight[..., rows, :] = pack_fp4(quantize(b, NVFP4_WEIGHT_ARGS, scale, global_scale=g))
-        scales[..., rows, :] = scale.to(torch.float8_e4m3fn)  # exact: the scales are e4m3 values already
+        qweight[block] = pack_fp4(quantize(b, NVFP4_WEIGHT_ARGS, scale, global_scale=g))
+        scales[block] = scale.to(torch.float8_e4m3fn)  # exact: the scales are e4m3 values already
     return NVFP4Weight(
         qweight=qweight,
         scales=scales,

@@ -240,3 +240,18 @@ def test_expert_stacks_quantize_one_expert_at_a_time_to_the_same_numbers(fmt):
         if t.element_size() == 1 and t.is_floating_point():
             t, u = t.view(torch.uint8), u.view(torch.uint8)
         assert torch.equal(u, t), name
+
+
+def test_a_1d_weight_quantizes_as_one_block():
+    """A 1-D tensor (one row without its row dimension) still quantizes, int4 and nvfp4 as qdq says."""
+    w = weight((512,))
+    args = int4_args(128)
+    iw = quantize_int4(w)
+    scale, _ = compute_qparams(w, args)
+    assert torch.equal(iw.scales, scale)
+    assert torch.equal(unpack_int4(iw.qweight), quantize(w, args, scale, dtype=torch.int8))
+    nw = quantize_nvfp4(w)
+    g = compute_global_scale(w)
+    scale, _ = compute_qparams(w, NVFP4_WEIGHT_ARGS, global_scale=g)
+    assert torch.equal(nw.scales.float(), scale)
+    assert torch.equal(unpack_fp4(nw.qweight), quantize(w, NVFP4_WEIGHT_ARGS, scale, global_scale=g, dtype=torch.float32))
