@@ -64,37 +64,38 @@ def contiguous_weight(w: torch.Tensor, out: Optional[torch.Tensor] = None) -> to
 
 
 def quantize_weight(w: torch.Tensor, fmt: str, group_size: int = 128, fp8_activation_scale_ub: float = 1200.0,
-                    nvfp4_activation_amax: Optional[float] = None,
-                    scratch: Optional[torch.Tensor] = None) -> QuantizedWeight:
-    """Quantize one bf16 weight in nn.Linear orientation ([..., N, K]) to ``fmt``.
-
-    ``scratch`` (w's shape and dtype) receives the contiguous copy of a strided w, so the experts
-    of a stack reuse one buffer instead of faulting in fresh pages for each."""
+                    nvfp4_activation_amax: Optional[float] = None) -> QuantizedWeight:
+    """Quantize one bf16 weight in nn.Linear orientation ([..., N, K]) to ``fmt``."""
     k = w.shape[-1]
     if fmt in ("int4", "w4a8") and k % group_size:
         raise ConfigError(f"group size {group_size} does not divide the weight's input size {k}")
     if fmt == "nvfp4" and k % 16:
         raise ConfigError(f"nvfp4 needs input sizes divisible by 16, got {k}")
+    if fmt not in ("int4", "fp8", "w4a8", "nvfp4"):
+        raise ConfigError(f"unknown weight format {fmt!r}")
+    one = partial(_quantize_contiguous, fmt=fmt, group_size=group_size, fp8_activation_scale_ub=fp8_activation_scale_ub,
+                  nvfp4_activation_amax=nvfp4_activation_amax)
     if w.dim() == 3 and w.shape[0] > 1:
         # Experts quantize independently (nvfp4's global scale is per expert too): one at a time, so
-        # the temporaries and the contiguous copy below are one expert's size, and in cache.
+        # the temporaries are one expert's size, and in cache; a strided stack's experts are copied
+        # contiguous into one buffer in turn, not into fresh pages each.
         scratch = None if w[0].is_contiguous() else torch.empty(w.shape[1:], dtype=w.dtype)
-        return stack_experts([quantize_weight(w[e], fmt, group_size, fp8_activation_scale_ub, nvfp4_activation_amax,
-                                              scratch)
-                              for e in range(len(w))])
-    w = contiguous_weight(w, scratch)
+        return stack_experts([one(contiguous_weight(w[e], scratch)) for e in range(len(w))])
+    return one(contiguous_weight(w))
+
+
+def _quantize_contiguous(w: torch.Tensor, fmt: str, group_size: int, fp8_activation_scale_ub: float,
+                         nvfp4_activation_amax: Optional[float]) -> QuantizedWeight:
     if fmt == "int4":
         return quantize_int4(w, group_size)
     if fmt == "fp8":
         return quantize_fp8_rowwise(w, fp8_activation_scale_ub)
     if fmt == "w4a8":
         return quantize_w4a8(w, group_size)
-    if fmt == "nvfp4":
-        g_in = None
-        if nvfp4_activation_amax is not None:
-            g_in = torch.full(w.shape[:-2], 448.0 * 6.0 / nvfp4_activation_amax, dtype=torch.float32)
-        return quantize_nvfp4(w, g_in)
-    raise ConfigError(f"unknown weight format {fmt!r}")
+    g_in = None
+    if nvfp4_activation_amax is not None:
+        g_in = torch.full(w.shape[:-2], 448.0 * 6.0 / nvfp4_activation_amax, dtype=torch.float32)
+    return quantize_nvfp4(w, g_in)
 
 
 class _Source:
