@@ -645,23 +645,16 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
         return out
     exact = form["act"] is not None or x.dtype == torch.bfloat16
     if path == "amx" or path == "avx512" and exact:
-        # bf16 activations in the order llk_amx reads (llk_dpgemm, its form without AMX, reads the
-        # same); on amx a fp32 input that is not exactly bf16 goes in as three bf16 rows, on avx512
-        # it takes the fp32 tiles below
-        gemm, gemm_name = (lib.llk_amx, "llk_amx") if path == "amx" else (lib.llk_dpgemm, "llk_dpgemm")
-        rep = 1 if exact else 3
-        if not exact:
-            xb = _split_bf16(xa)
-        else:
-            xb = x if form["act"] is None else xa.to(torch.bfloat16)  # bf16 x as it came
-        xt = _permute(xb, "avx512", _amx_order(form), wfmt)
+        # on amx a fp32 input that is not exactly bf16 goes in as three bf16 rows, on avx512 it
+        # takes the fp32 tiles below
+        if exact:
+            _tile_gemm(form, x, xa, tok, off, large, form3, out)
+            return out
+        gemm, gemm_name = _tile_library(path)
+        rep = 3
+        xt = _permute(_split_bf16(xa), "avx512", _amx_order(form), wfmt)
         starts = _rows_array([a * rep for a in off[:-1]])
         ends = _rows_array([a * rep for a in off[1:]])
-        if rep == 1:
-            args = _args(form, xt, tok, out, starts, ends, form3)
-            for i in large:
-                _check(gemm(ctypes.byref(args), i, xt.shape[1]), gemm_name)
-            return out
 
         def products(f: dict) -> torch.Tensor:  # x W.T of the large experts, the three parts summed
             out_t = torch.zeros(t * rep, n, dtype=torch.float32)
@@ -684,6 +677,58 @@ def _run(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = No
             y = F.silu(y) * _tile_expert(form3, xt[rows], i, tok_i)
         out[rows] = y
     return out
+
+
+def _tile_library(path: str) -> tuple[ctypes._CFuncPtr, str]:
+    """The entry for many rows per expert of activations exact in bf16: llk_amx on amx, its form
+    without AMX (llk_dpgemm) on avx512."""
+    lib = gemv_lib(path)
+    return (lib.llk_amx, "llk_amx") if path == "amx" else (lib.llk_dpgemm, "llk_dpgemm")
+
+
+def _tile_gemm(form: dict, x: torch.Tensor, xa: torch.Tensor, tok: Optional[torch.Tensor], off: list[int],
+               large: list[int], form3: Optional[dict], out: Optional[torch.Tensor],
+               out16: Optional[torch.Tensor] = None) -> None:
+    """Rows of the experts ``large`` into out (fp32) or out16 (bf16, rounded by the library) through
+    the tile path of amx / avx512, for activations exact in bf16 (x as ``_activations`` gave them,
+    xa, tok). The activations go in bf16 in the order llk_amx reads (llk_dpgemm reads the same)."""
+    gemm, gemm_name = _tile_library(form["path"])
+    xb = x if form["act"] is None else xa.to(torch.bfloat16)  # bf16 x as it came
+    xt = _permute(xb, "avx512", _amx_order(form), form["wfmt"])
+    starts, ends = _rows_array(off[:-1]), _rows_array(off[1:])
+    args = _args(form, xt, tok, out, starts, ends, form3)
+    if out16 is not None:
+        args.out16, args.ldo = out16.data_ptr(), out16.stride(0)
+    for i in large:
+        _check(gemm(ctypes.byref(args), i, xt.shape[1]), gemm_name)
+
+
+def _tiles_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = None) -> Optional[torch.Tensor]:
+    """What ``_run(...).to(torch.bfloat16)`` returns, or None where it does not apply.
+
+    Prefill's case: bf16 x on amx or avx512, weights whose activations are not int8, every row in
+    an expert that takes the tile path. The library rounds its fp32 results to bf16 as it writes
+    them (as PyTorch's conversion does: the same bits), which saves writing, reading and converting
+    an fp32 result as large as the bf16 one twice over.
+    """
+    path, t = form["path"], x.shape[0]
+    if path not in ("amx", "avx512") or x.dtype != torch.bfloat16 or form["act"] == "int8":
+        return None
+    limit = GEMV_MAX_ROWS[path][form["wfmt"]]
+    if off[0] != 0 or off[-1] != t or any(0 < b - a <= limit for a, b in zip(off, off[1:])):
+        return None
+    xa, tok = _activations(form, x, off) if form["act"] is not None else (x, None)
+    out16 = torch.empty(t, form["n"], dtype=torch.bfloat16)
+    large = [i for i in range(form["e"]) if off[i + 1] > off[i]]
+    _tile_gemm(form, x, xa, tok, off, large, form3, None, out16)
+    return out16
+
+
+def _bf16_result(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict] = None) -> Optional[torch.Tensor]:
+    """``_run(...).to(torch.bfloat16)`` rounded in the library, where decode (``_decode_bf16``) or
+    prefill (``_tiles_bf16``) allows it; else None."""
+    out = _decode_bf16(form, x, off, form3)
+    return out if out is not None else _tiles_bf16(form, x, off, form3)
 
 
 def _run_int8(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dict]) -> torch.Tensor:
@@ -811,7 +856,7 @@ def _grouped(x2: torch.Tensor, off: list[int], w: Weight) -> torch.Tensor:
     if not isinstance(w, torch.Tensor):
         form = _form(w)
         if form["path"] != "torch":
-            out = _decode_bf16(form, x2, off)
+            out = _bf16_result(form, x2, off)
             if out is not None:
                 return out
     return _grouped_fp32(x2, off, w).to(x2.dtype)
@@ -883,7 +928,7 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     if not form["dense"]:
         _dense(w)  # raises
     x2 = _rows(x, form["k"])
-    out = _decode_bf16(form, x2, [0, x2.shape[0]]) if form["path"] != "torch" else None
+    out = _bf16_result(form, x2, [0, x2.shape[0]]) if form["path"] != "torch" else None
     if out is None:
         out = _grouped_fp32(x2, [0, x2.shape[0]], w).to(x2.dtype)
     return out.view(*x.shape[:-1], form["n"])
@@ -916,7 +961,7 @@ def _swiglu_hidden(x2: torch.Tensor, off: list[int], w1: Weight, w3: Weight) -> 
     if not isinstance(w1, torch.Tensor) and type(w1) is type(w3) and x2.dtype == torch.bfloat16:
         f1, f3 = _form(w1), _form(w3)
         if _fusable(f1, f3):
-            out = _decode_bf16(f1, x2, off, f3)
+            out = _bf16_result(f1, x2, off, f3)
             return out if out is not None else _run(f1, x2, off, f3).to(x2.dtype)
     return (F.silu(_grouped_fp32(x2, off, w1, True)) * _grouped_fp32(x2, off, w3, True)).to(x2.dtype)
 

@@ -315,5 +315,5 @@ class LlkArgs(ctypes.Structure):
         ("row_start", ctypes.c_void_p), ("row_end", ctypes.c_void_p),
         ("x", ctypes.c_void_p), ("ldx", ctypes.c_int64), ("tokscale", ctypes.c_void_p),
         ("out", ctypes.c_void_p), ("ldo", ctypes.c_int64),
-        ("w1", LlkWeight), ("w3", LlkWeight),
+        ("w1", LlkWeight), ("w3", LlkWeight), ("out16", ctypes.c_void_p),
     ]  # fmt: skip

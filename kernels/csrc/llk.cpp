@@ -900,6 +900,16 @@ static inline void transpose16(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
+// 16 fp32 values rounded to bf16 as round_bf16 (and PyTorch's conversion) does: to nearest, ties to
+// even; a NaN stays a NaN of the same sign.
+static inline __m256i round_bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(hi, _mm512_set1_epi32(1)));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), hi, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 // e^x in 16 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by its Taylor polynomial
 // of degree 7 (truncation < 1e-8 relative), times 2^n by vscalefps. Within 1 ulp of the C library's
 // expf (what the scalar epilogue called, one value at a time) on normal results in [-104, 89],
@@ -950,8 +960,13 @@ static inline void tile_out(const LlkArgs& a, int64_t e, int64_t n0, int64_t row
             }
             transpose16(blk);  // blk[m]: token m0 + m, lanes the columns nb ..
             const __mmask16 nm = mask16(n1 - nb);
-            for (int64_t m = 0; m < mrows; m++)
-                _mm512_mask_storeu_ps(a.out + (a.row_start[e] + m0 + m) * a.ldo + nb, nm, _mm512_castsi512_ps(blk[m]));
+            const int64_t at = (a.row_start[e] + m0) * a.ldo + nb;
+            if (a.out16)
+                for (int64_t m = 0; m < mrows; m++)
+                    _mm256_mask_storeu_epi16(a.out16 + at + m * a.ldo, nm, round_bf16x16(_mm512_castsi512_ps(blk[m])));
+            else
+                for (int64_t m = 0; m < mrows; m++)
+                    _mm512_mask_storeu_ps(a.out + at + m * a.ldo, nm, _mm512_castsi512_ps(blk[m]));
         }
     }
 }

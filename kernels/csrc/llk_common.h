@@ -73,6 +73,7 @@ struct LlkArgs {
     int64_t ldo;
     LlkWeight w1;
     LlkWeight w3;              // SwiGLU: w3.w != null and out = silu(x W1^T) * (x W3^T)
+    uint16_t* out16;           // tile paths: non-null, the results rounded to bf16 here (row stride ldo), not in out
 };
 
 // FN<SF>(...) for an int4 weight's scale format (bf16, fp32 or e4m3), `a` the LlkArgs pointer

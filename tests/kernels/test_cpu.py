@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import cpu, cpu_lib, dispatch
 from kernels import reference as R
-from kernels.formats import dequantize_weight, select_expert, weight_shape
+from kernels.formats import Int4Weight, dequantize_weight, pack_int4, select_expert, weight_shape
 
 from test_reference import fp8_weight, int4_weight, nvfp4_weight, w4a8_weight
 
@@ -532,6 +532,68 @@ def test_decode_entry_gives_the_general_paths_bits(fmt, lib_isa):
         wd = FORMATS[fmt](24, 640, seed=5)
         x = torch.randn(2, 640, dtype=torch.bfloat16)
         assert torch.equal(cpu.linear(x, wd), cpu._run(cpu._form(wd), x, [0, 2]).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_entry_gives_the_general_paths_bits(fmt, isa):
+    """With many rows per expert (prefill), bf16 x and bf16 results on amx / avx512 come from the
+    tile path rounded in the library (cpu._tiles_bf16): the bits of the general path (fp32 results,
+    PyTorch's rounding), for dense and grouped weights, K not a multiple of 256, empty experts,
+    per-token activation scales (fp8) and the fused SwiGLU. It declines on the other caps, for int8
+    activations, fp32 x, rows outside the experts and an expert with few enough rows for the GEMV."""
+    w = FORMATS[fmt](48, 640, lead=(3,), seed=7)
+    w3 = FORMATS[fmt](48, 640, lead=(3,), seed=8)
+    f1, f3 = cpu._form(w), cpu._form(w3)
+    takes = isa in ("amx", "avx512") and f1["path"] != "torch" and f1["act"] != "int8"
+    many = cpu.GEMV_MAX_ROWS[isa][f1["wfmt"]] + 1 if takes else 17
+    for counts in ([many, 0, many + 20], [many + 3, many, 2 * many]):
+        off = [0, counts[0], counts[0] + counts[1], sum(counts)]
+        x = torch.randn(off[-1], 640, dtype=torch.bfloat16)
+        fast = cpu._tiles_bf16(f1, x, off)
+        assert (fast is not None) == takes
+        if takes:
+            assert torch.equal(fast, cpu._run(f1, x, off).to(torch.bfloat16))
+            assert torch.equal(cpu._tiles_bf16(f1, x, off, f3), cpu._run(f1, x, off, f3).to(torch.bfloat16))
+            assert torch.equal(cpu.grouped_linear(x, torch.tensor(off), w), fast)
+    x = torch.randn(3 * many, 640, dtype=torch.bfloat16)
+    assert cpu._tiles_bf16(f1, x, [0, many, 2 * many, 3 * many - 1]) is None  # a row outside the experts
+    assert cpu._tiles_bf16(f1, x, [0, many, many + 1, 3 * many]) is None  # an expert of one row: the GEMV
+    assert cpu._tiles_bf16(f1, x.float(), [0, many, 2 * many, 3 * many]) is None
+    if takes:  # the dense entry point takes it too
+        wd = FORMATS[fmt](24, 640, seed=5)
+        x = torch.randn(many, 640, dtype=torch.bfloat16)
+        assert torch.equal(cpu.linear(x, wd), cpu._run(cpu._form(wd), x, [0, many]).to(torch.bfloat16))
+
+
+def test_prefill_entry_rounds_as_pytorch(isa):
+    """The library's rounding of the tile path's fp32 results to bf16 is PyTorch's: to nearest, ties
+    to even (down and up), subnormals kept, overflow to infinity, NaN a NaN. One-hot rows of x pick
+    single weight values q * s (fp32 scales), so out[m, 0] = s[0, m // 32] for the first 160 m."""
+    g = torch.Generator().manual_seed(3)
+    n, k, gs = 64, 256, 32
+    s = torch.rand(n, k // gs, generator=g) * 10 + 1e-3
+    s[0, :5] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 2**-126 * (1 + 2**-8), 3 * 2**-135, 3.4e38])
+    s[1, 0] = float("inf")  # every row of column 1: 0 x inf among the products
+    q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    q[0, :160] = 1
+    w = Int4Weight(pack_int4(q), s, gs)
+    x = torch.eye(k, dtype=torch.bfloat16)
+    fast = cpu._tiles_bf16(cpu._form(w), x, [0, k])
+    if isa not in ("amx", "avx512"):  # the other caps round with PyTorch (the general path)
+        assert fast is None
+        return
+    want = cpu._run(cpu._form(w), x, [0, k]).to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(fast.isnan(), nan) and nan[gs:, 1].all() and not nan[:, 0].any() and not nan[:, 2:].any()
+    assert fast[:gs, 1].isinf().any()  # q x inf in the first group, each alone in its sum
+    assert torch.equal(fast[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    first = fast[:, 0].float()
+    assert first[0] == 1.0 and first[32] == 1 + 4 * 2**-8  # halfway: down to even, up to even
+    # a subnormal 0.75 x 2^-133 to bf16's least one (not flushed to zero), 3.4e38 past bf16's largest
+    assert first[64] == 2**-126 and first[96] == 2**-133 and first[128] == float("inf")
+
+
+# ---- bf16 weights (layers a mode leaves in bf16)
 
 
 # ---- bf16 weights (layers a mode leaves in bf16)
