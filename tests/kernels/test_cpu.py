@@ -95,7 +95,8 @@ def check_linear(x, w, tol):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_matches_reference(fmt, isa):
-    ms = (1, 3, 8, 17, 64)
+    # 14, 17, 64, 100: the avx512 tile path's register blocks of one, two, two and two, and 3-2-2 tiles of 16 rows
+    ms = (1, 3, 8, 14, 17, 64, 100)
     for k in (128, 384, 640):  # 640: not a multiple of 256
         for n in (40, 136):  # not multiples of the 32-row tiles
             w = FORMATS[fmt](n, k, seed=k + n)
