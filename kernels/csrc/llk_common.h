@@ -190,10 +190,66 @@ static void gemv_run(const LlkArgs& a, int64_t row_bytes, Row row, Fac fac) {
 // 4-byte elements (bf16 / fp32), rows shared among threads when there are enough of them (what it
 // saves over PyTorch's index_select: cpu.py _permute).
 
+#if defined(__AVX512BW__)
+// gather_cols for 2-byte values, 32 outputs at a time: the kernels' orders take each run of 32 from
+// a window of at most 128 values of x (4 apart, or shuffled within 64), so each run is one or two
+// vpermt2w over that window, merged and masked (pads, values past K). A run spread wider is copied
+// one value at a time.
+static void gather_cols_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k, const int32_t* perm, int64_t kp,
+                             uint16_t* out, int nt) {
+    const int64_t runs = kp / 32;
+    LineVec<uint16_t> idx((size_t)kp);
+    std::vector<int64_t> base((size_t)runs);
+    std::vector<uint32_t> valid((size_t)runs), upper((size_t)runs);
+    std::vector<char> wide((size_t)runs);
+    for (int64_t c = 0; c < runs; c++) {
+        int64_t lo = k, hi = -1;
+        uint32_t v = 0;
+        for (int j = 0; j < 32; j++) {
+            const int64_t p = perm[32 * c + j];
+            if (p < k) v |= 1u << j, lo = std::min(lo, p), hi = std::max(hi, p);
+        }
+        base[c] = v ? lo : 0, valid[c] = v, wide[c] = v && hi - lo >= 128;
+        uint32_t u = 0;
+        for (int j = 0; j < 32; j++) {
+            const int64_t d = (valid[c] >> j & 1) && !wide[c] ? perm[32 * c + j] - lo : 0;
+            idx[32 * c + j] = (uint16_t)(d & 63);
+            if (d >= 64) u |= 1u << j;
+        }
+        upper[c] = u;
+    }
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t* xr = x + r * ldx;
+        uint16_t* o = out + r * kp;
+        for (int64_t c = 0; c < runs; c++) {
+            if (wide[c]) {
+                for (int j = 0; j < 32; j++) o[32 * c + j] = perm[32 * c + j] < k ? xr[perm[32 * c + j]] : 0;
+                continue;
+            }
+            const int64_t b0 = base[c];
+            auto window = [&](int64_t at) {  // x[at, at + 32) of this row, zeros past K
+                return _mm512_maskz_loadu_epi16(at >= k ? 0 : at + 32 <= k ? 0xFFFFFFFFu : (__mmask32)((1u << (k - at)) - 1), xr + at);
+            };
+            const __m512i ix = _mm512_loadu_si512(idx.data() + 32 * c);
+            __m512i v = _mm512_permutex2var_epi16(window(b0), ix, window(b0 + 32));
+            if (upper[c]) v = _mm512_mask_blend_epi16(upper[c], v, _mm512_permutex2var_epi16(window(b0 + 64), ix, window(b0 + 96)));
+            _mm512_storeu_si512(o + 32 * c, _mm512_maskz_mov_epi16(valid[c], v));
+        }
+    }
+}
+#endif
+
 template <class T>
 static void gather_cols(const T* x, int64_t ldx, int64_t rows, int64_t k, const int32_t* perm, int64_t kp, T* out,
                         int nthreads) {
     const int nt = threads_for(rows * kp * (int64_t)sizeof(T), nthreads);
+#if defined(__AVX512BW__)
+    if (std::is_same_v<T, uint16_t> && rows >= 4 && kp % 32 == 0) {
+        gather_cols_bf16((const uint16_t*)x, ldx, rows, k, perm, kp, (uint16_t*)out, nt);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t r = 0; r < rows; r++) {
         const T* xr = x + r * ldx;

@@ -235,6 +235,19 @@ def test_permute_is_a_gather_with_zero_padding(dtype, lib_isa):
                         want = x  # fp8 decodes in K order there
                     assert got.dtype == dtype and got.is_contiguous()
                     assert torch.equal(got, want), (lib, order, wfmt, rows, k)
+        # any permutation: runs of 32 spread over more than 128 values of x (copied one by one
+        # where the library takes them from windows), near ones, and pads
+        g = torch.Generator().manual_seed(1)
+        for rows, k in ((9, 200), (70, 544)):
+            x = torch.randn(rows, k).to(dtype)
+            near = torch.arange(k).view(-1, 8).flip(1).flatten()
+            for perm in (torch.randperm(k, generator=g), torch.cat((near[:96], torch.randperm(k, generator=g)[:99], near[-4:]))):
+                perm = torch.cat((perm, torch.full((-len(perm) % 32 + 32,), k))).to(torch.int32)
+                want = torch.cat((x, x.new_zeros(rows, 1)), dim=1).index_select(1, perm)
+                got = torch.empty(rows, perm.numel(), dtype=dtype)
+                rc = cpu_lib.library(lib).llk_gather_cols(x.data_ptr(), k, rows, k, perm.data_ptr(), perm.numel(),
+                                                          got.data_ptr(), x.element_size(), 2)  # fmt: skip
+                assert rc == 0 and torch.equal(got, want), (lib, rows, k)
 
 
 def test_prepare_runs_once(monkeypatch):
