@@ -690,8 +690,9 @@ def _tile_gemm(form: dict, x: torch.Tensor, xa: torch.Tensor, tok: Optional[torc
                large: list[int], form3: Optional[dict], out: Optional[torch.Tensor],
                out16: Optional[torch.Tensor] = None) -> None:
     """Rows of the experts ``large`` into out (fp32) or out16 (bf16, rounded by the library) through
-    the tile path of amx / avx512, for activations exact in bf16 (x as ``_activations`` gave them,
-    xa, tok). The activations go in bf16 in the order llk_amx reads (llk_dpgemm reads the same)."""
+    the tile path of amx / avx512, for activations exact in bf16: x the input, xa and tok what
+    ``_activations`` made of it (x itself where they are not quantized). They go in as bf16 in the
+    order llk_amx reads (llk_dpgemm reads the same)."""
     gemm, gemm_name = _tile_library(form["path"])
     xb = x if form["act"] is None else xa.to(torch.bfloat16)  # bf16 x as it came
     xt = _permute(xb, "avx512", _amx_order(form), form["wfmt"])

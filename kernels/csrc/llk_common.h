@@ -209,7 +209,9 @@ static void gather_cols_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64
             const int64_t p = perm[32 * c + j];
             if (p < k) v |= 1u << j, lo = std::min(lo, p), hi = std::max(hi, p);
         }
-        base[c] = v ? lo : 0, valid[c] = v, wide[c] = v && hi - lo >= 128;
+        base[c] = v ? lo : 0;
+        valid[c] = v;
+        wide[c] = v && hi - lo >= 128;
         uint32_t u = 0;
         for (int j = 0; j < 32; j++) {
             const int64_t d = (valid[c] >> j & 1) && !wide[c] ? perm[32 * c + j] - lo : 0;
