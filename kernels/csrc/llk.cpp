@@ -1332,8 +1332,7 @@ static void amx_q8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t
 // (AVX-512 VNNI). It multiplies unsigned bytes by signed ones, so the weights enter as their
 // nibbles u = q + 8 and each 32-value block's sum is sum(u a) - 8 sum(a), exact in int32, scaled
 // as llk_amx_q8 scales it: sum over the group's blocks of sum * s_x, then times s_w. Register
-// blocks of 4 weight rows x V tiles of 16 activation rows (each weight quad broadcast): V = 3 took
-// 0.94x the time of V = 2 at 64 rows of an 8192 x 5120 expert, 0.98x at 512 (Zen 5).
+// blocks of 4 weight rows x V tiles of 16 activation rows (each weight quad broadcast).
 template <int SF, int V>
 static inline void dpq8_block(const uint8_t* buf, int64_t c0, int64_t g0, int64_t g1, int64_t nkb, int64_t t0, int r0,
                               const int8_t* bq, const float* sx, const int32_t* cs, const float sw[4], float* acc,
@@ -1385,11 +1384,8 @@ static void dpq8_rows(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n
             for (int r0 = 0; r0 < kAmxTileN; r0 += 4) {
                 float sw[4];
                 for (int r = 0; r < 4; r++) sw[r] = scale_at<SF>(srows[r0 + r], g, t);
-                // three tiles a block (12 vpdpbusd chains), two and two for the last four
-                for (int64_t t0 = 0, v; t0 < mt; t0 += v) {
-                    v = mt - t0 == 4 ? 2 : std::min<int64_t>(3, mt - t0);
-                    if (v == 3) dpq8_block<SF, 3>(buf, c0, g0, g1, nkb, t0, r0, bq, sx, cs, sw, acc, mpad);
-                    else if (v == 2) dpq8_block<SF, 2>(buf, c0, g0, g1, nkb, t0, r0, bq, sx, cs, sw, acc, mpad);
+                for (int64_t t0 = 0; t0 < mt; t0 += 2) {
+                    if (t0 + 1 < mt) dpq8_block<SF, 2>(buf, c0, g0, g1, nkb, t0, r0, bq, sx, cs, sw, acc, mpad);
                     else dpq8_block<SF, 1>(buf, c0, g0, g1, nkb, t0, r0, bq, sx, cs, sw, acc, mpad);
                 }
             }
