@@ -712,11 +712,12 @@ def _tiles_bf16(form: dict, x: torch.Tensor, off: list[int], form3: Optional[dic
     them (as PyTorch's conversion does: the same bits), which saves writing, reading and converting
     an fp32 result as large as the bf16 one twice over.
     """
-    path, t = form["path"], x.shape[0]
-    if path not in ("amx", "avx512") or x.dtype != torch.bfloat16 or form["act"] == "int8":
+    t = x.shape[0]
+    if form["path"] not in ("amx", "avx512") or x.dtype != torch.bfloat16 or form["act"] == "int8":
         return None
-    limit = GEMV_MAX_ROWS[path][form["wfmt"]]
-    if off[0] != 0 or off[-1] != t or any(0 < b - a <= limit for a, b in zip(off, off[1:])):
+    limit = gemv_max_rows(form)
+    # decode (t <= limit) declines before looking at the experts
+    if t <= limit or off[0] != 0 or off[-1] != t or any(0 < b - a <= limit for a, b in zip(off, off[1:])):
         return None
     xa, tok = _activations(form, x, off) if form["act"] is not None else (x, None)
     out16 = torch.empty(t, form["n"], dtype=torch.bfloat16)
