@@ -205,7 +205,8 @@ def _declare(lib: ctypes.CDLL, kind: str) -> None:
                  ("llk_moe_one_token", [vp, vp, vp, vp], ctypes.c_int),
                  ("llk_moe_one_token_bf16", [vp, vp, vp, vp], ctypes.c_int),
                  ("llk_attention_one_token", [vp, vp, i64, vp, vp, ctypes.c_int, ctypes.c_float, vp], ctypes.c_int),
-                 ("llk_block_one_token", [vp, vp, i64, vp, vp, ctypes.c_int, ctypes.c_float, vp], ctypes.c_int)],
+                 ("llk_block_one_token", [vp, vp, i64, vp, vp, ctypes.c_int, ctypes.c_float, vp], ctypes.c_int),
+                 ("llk_blocks_one_token", [vp, i64, vp, i64, vp, vp, vp, vp, vp, vp, vp], ctypes.c_int)],
     }[kind]  # fmt: skip
     for name, argtypes, restype in common + own:
         getattr(lib, name).argtypes = argtypes

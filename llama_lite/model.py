@@ -466,6 +466,10 @@ class Transformer(nn.Module):
             self.output = ColumnParallelLinear(args.dim, args.vocab_size, bias=False, init_method=_keep)
         self.rope_freqs = rope_inverse_frequencies(args)
         self._decode_compiled = None  # see compile_decode
+        # one_token_impl(h_1D, positions_bs, rope) -> the last layer's output [1, D] for one token
+        # (batch-1 decode) through every layer in one call, or None where it does not apply (each
+        # layer then runs as its own forward). A loader may install one (eager code only).
+        self.one_token_impl: Optional[Callable] = None
         if args.vision_args is not None:
             self.vision_embeddings, self.vision_projection = vision_modules(args.vision_args, args.dim)
 
@@ -504,8 +508,14 @@ class Transformer(nn.Module):
     def _decode(self, tokens_b1: torch.Tensor, positions_b1: torch.Tensor) -> torch.Tensor:
         rope = rope_at(self.rope_freqs, positions_b1)
         h = self._embed(tokens_b1)
-        for layer in self.layers:
-            h = layer(h, positions_b1, rope, None)
+        out = None
+        if tokens_b1.shape[0] == 1 and self.one_token_impl is not None and not torch.compiler.is_compiling():
+            out = self.one_token_impl(h.view(1, -1), positions_b1, rope)
+        if out is not None:
+            h = out.view_as(h)
+        else:
+            for layer in self.layers:
+                h = layer(h, positions_b1, rope, None)
         return self.output(self.norm(h)).float()
 
     def setup_caches(self, dtype: Optional[torch.dtype] = None, device=None, layout: str = "by_kind") -> None:

@@ -262,7 +262,9 @@ def _attention_to_kernels(model: Transformer) -> None:
     token (top-1) as one ``kernels.moe_one_token`` call where it applies; so does an attention
     layer whose four linear layers run through ``kernels.linear``, as one ``kernels.OneTokenAttention``
     call. On one rank, a block whose attention and MoE layers both have such a call decodes one token
-    as one ``kernels.one_token_block`` call (norms and residual adds included). A prefill's attention
+    as one ``kernels.one_token_block`` call (norms and residual adds included), and where every block
+    does, the model decodes one token through all of them in one ``kernels.run_blocks`` call
+    (``_OneTokenBlocks``, the core's ``Transformer.one_token_impl``). A prefill's attention
     runs as ``kernels.prefill_attention`` where it applies (in fp32, where SDPA rounds the softmax
     weights to bf16; ~5x faster than SDPA at 512 tokens on an AMD EPYC Zen 5)."""
     impl = register_attention(kernels.decode_attention, kernels.decode_step)
@@ -293,6 +295,8 @@ def _attention_to_kernels(model: Transformer) -> None:
         attention, moe = block.attention, block.feed_forward
         if attention in layers and moe in moes and moe.top_k == 1:
             block.one_token_impl = partial(_block_one_token, block=block, layer=layers[attention], weights=moes[moe])
+    if model.layers and all(block.one_token_impl is not None for block in model.layers):
+        model.one_token_impl = _OneTokenBlocks([block.one_token_impl for block in model.layers])
 
 
 def _attention_one_token(x_1D: torch.Tensor, position: int, rope, q_scale, layer, attention: Attention):
@@ -312,6 +316,51 @@ def _block_one_token(x_1D: torch.Tensor, positions_bs: torch.Tensor, rope, block
                                    None if q_scale is None else float(q_scale), layer,
                                    (*cache.store.tensors(), cache.chunk or 0, isinstance(cache, RingCache)),
                                    (moe.router_fp32(), *weights), norms)  # fmt: skip
+
+
+class _OneTokenBlocks:
+    """Every block's ``_block_one_token`` (``blocks``: their partials) in one ``kernels.run_blocks``
+    call, so that a decode step's Python runs once, not once per block. The plan is made again
+    whenever what it was made from changes: the kernels' state (threads, backend, CPU path), a
+    layer's KV cache, router or norm weights."""
+
+    def __init__(self, blocks: list):
+        self.blocks = [(b.keywords["block"], b.keywords["layer"], b.keywords["weights"]) for b in blocks]
+        self.kept = None  # (key, plan, the objects the key names by id: kept alive, so ids stay theirs)
+
+    def __call__(self, x_1D: torch.Tensor, positions_bs: torch.Tensor, rope) -> Optional[torch.Tensor]:
+        if x_1D.device.type != "cpu":  # as MoE.forward: a GPU would stall on the host-read expert
+            return None
+        objs = []
+        for block, _, _ in self.blocks:
+            cache = block.attention.cache
+            objs += (cache, *cache.store.tensors(), block.feed_forward.router_fp32(), block.attention_norm.weight,
+                     block.ffn_norm.weight)  # fmt: skip
+        key = (kernels.block_layer.state(), tuple(map(id, objs)))
+        if self.kept is None or self.kept[0] != key:
+            self.kept = (key, kernels.plan_blocks(x_1D, [self._plan_args(*b) for b in self.blocks]), objs)
+        plan = self.kept[1]
+        if plan is None:
+            return None
+        temperatures = {}  # one per distinct setting: every layer with temperature tuning shares the model's
+        q_scales = []
+        for block, _, _ in self.blocks:
+            attention = block.attention
+            if not attention.temperature_tuning:
+                q_scales.append(None)
+                continue
+            setting = (attention.floor_scale, attention.attn_scale)
+            if setting not in temperatures:
+                temperatures[setting] = float(attention.temperature(positions_bs))
+            q_scales.append(temperatures[setting])
+        return kernels.run_blocks(plan, x_1D, int(positions_bs), rope, q_scales)
+
+    @staticmethod
+    def _plan_args(block: TransformerBlock, layer, weights: tuple) -> tuple:
+        attention, moe, cache = block.attention, block.feed_forward, block.attention.cache
+        norms = (block.attention_norm.weight, block.attention_norm.eps, block.ffn_norm.weight, block.ffn_norm.eps)
+        return (attention.use_rope, layer, (*cache.store.tensors(), cache.chunk or 0, isinstance(cache, RingCache)),
+                (moe.router_fp32(), *weights), norms)  # fmt: skip
 
 
 def _moe_one_token(x_1D: torch.Tensor, router_ED: torch.Tensor, weights: tuple) -> Optional[torch.Tensor]:

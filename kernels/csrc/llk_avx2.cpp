@@ -1339,4 +1339,26 @@ int llk_block_one_token(const LlkBlockPlan* p, const uint16_t* x, int64_t pos, c
     return 0;
 }
 
+// Blocks plans[0..n) in turn, one token: x through each llk_block_one_token into out (D values), so
+// a decode step's Python runs once instead of once per block. Block i takes the position's RoPE
+// (cos, sin) where rope[i] (none on a layer without RoPE), and the temperature q_scale[i] where
+// use_q_scale[i]. A block reads its input before it writes its output, so each works in place on
+// out. A non-zero return code is the failing block's, *failed its index (the blocks before it have
+// written their caches).
+int llk_blocks_one_token(const LlkBlockPlan* const* plans, int64_t n, const uint16_t* x, int64_t pos,
+                         const float* cos, const float* sin, const int8_t* rope, const int8_t* use_q_scale,
+                         const float* q_scale, uint16_t* out, int64_t* failed) {
+    if (n <= 0) return 0;
+    memcpy(out, x, (size_t)plans[0]->D * sizeof(uint16_t));
+    for (int64_t i = 0; i < n; i++) {
+        const int rc = llk_block_one_token(plans[i], out, pos, rope[i] ? cos : nullptr, rope[i] ? sin : nullptr,
+                                           use_q_scale[i], q_scale[i], out);
+        if (rc) {
+            *failed = i;
+            return rc;
+        }
+    }
+    return 0;
+}
+
 }  // extern "C"

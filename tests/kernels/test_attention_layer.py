@@ -25,7 +25,8 @@ ISAS = cpu.cpu_isas()
 def built(request, tiny_ckpt, dist1):
     mode, targets = request.param
     llama = quantization.build(tiny_ckpt, mode, targets=targets, max_seq_len=64, max_batch_size=1, progress=False)
-    for block in llama.model.layers:  # the attention layer's own call (test_block_layer.py: the whole block's)
+    llama.model.one_token_impl = None  # the attention layer's own call (test_block_layer.py: the blocks')
+    for block in llama.model.layers:
         block.one_token_impl = None
     return llama
 

@@ -1,7 +1,8 @@
 """kernels.one_token_block: a decoder block's decode step for one token in one library call, against
 the same block computed by the separate calls it replaces (the norms' ``kernels.rmsnorm``, the
 one-call attention and MoE layers, the core's bf16 residual adds), under every CPU cap, on both
-cache layouts, across chunk boundaries.
+cache layouts, across chunk boundaries. kernels.plan_blocks / run_blocks (the model's
+``one_token_impl``): every block of a step in one call, against the blocks' own calls.
 
 The library runs the very functions of the separate calls and adds as PyTorch does (fp32 sum, one
 rounding to bf16), so logits and caches must be bit-equal: any difference is a bug.
@@ -14,6 +15,8 @@ import kernels
 import quantization
 from kernels import block_layer, cpu
 
+import one_call
+from llama_lite.model import rope_at
 from one_call import PROMPT, check_against_separate_calls
 
 ISAS = cpu.cpu_isas()
@@ -41,14 +44,101 @@ def counted(monkeypatch):
     return n
 
 
+@pytest.fixture
+def counted_steps(monkeypatch):
+    """[taken, declined]: the model's all-blocks call (taken: run_blocks ran; declined: it returned None)."""
+    n = [0, 0]
+    real = kernels.run_blocks
+
+    def call(*args):
+        out = real(*args)
+        n[out is None] += 1
+        return out
+
+    monkeypatch.setattr(kernels, "run_blocks", call)
+    return n
+
+
 @pytest.mark.parametrize("layout", ["by_kind", "full"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_matches_the_separate_calls(built, layout, isa, counted):
+def test_matches_the_separate_calls(built, layout, isa, counted, monkeypatch):
     model = built.model
+    monkeypatch.setattr(model, "one_token_impl", None)  # each block's own call (below: all of them in one)
     blocks = list(model.layers)
     assert blocks and all(b.one_token_impl is not None for b in blocks)
     assert any(b.attention.temperature_tuning for b in blocks) and any(b.attention.use_rope for b in blocks)
     check_against_separate_calls(model, blocks, layout, isa, counted, cpu)
+
+
+@pytest.mark.parametrize("layout", ["by_kind", "full"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_all_blocks_in_one_call_match_the_blocks_calls(built, layout, isa, counted_steps):
+    # the reference: each block's own call, itself bit-equal to the separate calls (above); every
+    # decode and every new set of caches (each decode sets them up again) needs the plan made anew
+    model = built.model
+    assert model.one_token_impl is not None
+    if isa == "none":  # no plan: the hook declines before run_blocks, each block then declines too
+        cpu.set_isa(isa)
+        try:
+            logits, _ = one_call.decode(model, layout)
+        finally:
+            cpu.set_isa(None)
+        assert counted_steps == [0, 0] and model.one_token_impl.kept[1] is None and logits.isfinite().all()
+        return
+    check_against_separate_calls(model, [model], layout, isa, counted_steps, cpu)
+
+
+def test_a_new_plan_when_threads_router_or_caches_change(built, monkeypatch):
+    model = built.model
+    hook = model.one_token_impl
+    blocks = list(model.layers)
+
+    def both():  # the all-blocks call's logits, then the blocks' own calls'
+        got, _ = one_call.decode(model, "by_kind")
+        monkeypatch.setattr(model, "one_token_impl", None)
+        want, _ = one_call.decode(model, "by_kind")
+        monkeypatch.setattr(model, "one_token_impl", hook)
+        assert torch.equal(got, want)
+        return got, hook.kept[1]
+
+    first, plan = both()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _, plan1 = both()
+    finally:
+        torch.set_num_threads(threads)
+    assert plan1 is not plan and plan1.blocks[0].nthreads == 1 and plan.blocks[0].nthreads == threads
+    router = blocks[0].feed_forward.router_DE
+    saved = router.detach().clone()
+    try:
+        with torch.no_grad():
+            router.mul_(-1)  # written in place: the router's fp32 copy is made again, so is the plan
+        flipped, plan2 = both()
+    finally:
+        with torch.no_grad():
+            router.copy_(saved)
+    assert plan2 is not plan1 and not torch.equal(flipped, first)
+    again, _ = both()
+    assert torch.equal(again, first)
+
+
+def test_a_position_outside_a_cache_names_the_block(built):
+    model = built.model
+    model.setup_caches()
+    hook = model.one_token_impl
+    first = next(i for i, b in enumerate(model.layers) if not b.attention.use_rope)  # a global layer
+    model.layers[first].attention.setup_cache(1, 16, torch.bfloat16, "cpu")
+    x = torch.ones(1, model.args.dim, dtype=torch.bfloat16)
+    try:
+        with torch.inference_mode():
+            pos = torch.tensor([[15]])
+            assert hook(x, pos, rope_at(model.rope_freqs, pos)) is not None
+            pos = torch.tensor([[16]])
+            with pytest.raises(ValueError, match=f"block {first}: position 16 lies outside"):
+                hook(x, pos, rope_at(model.rope_freqs, pos))
+    finally:
+        model.setup_caches()
 
 
 def test_declines_what_its_layers_decline(tiny_ckpt, dist1, counted):

@@ -155,7 +155,8 @@ def test_declines_what_it_does_not_compute(fmt):
 def test_the_quantized_loader_decodes_each_moe_layer_in_one_call(mode, tiny_ckpt, dist1, monkeypatch):
     llama = quantization.build(tiny_ckpt, mode, max_seq_len=64, max_batch_size=1, progress=False)
     model = llama.model
-    for block in model.layers:  # the MoE layer's own call (test_block_layer.py: the whole block's)
+    model.one_token_impl = None  # the MoE layer's own call (test_block_layer.py: the blocks')
+    for block in model.layers:
         block.one_token_impl = None
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     assert layers and all(m.one_token_impl is not None for m in layers)

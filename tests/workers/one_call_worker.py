@@ -44,7 +44,8 @@ def main(ckpt: str, out: str, modes: str, world_size: int) -> None:
                 model(prompt, 0)
                 runs[name] = torch.cat([model(torch.tensor([[t]]), prompt.shape[1] + i)[:, -1]
                                         for i, t in enumerate(nxt)])  # fmt: skip
-        blocks = sum(b.one_token_impl is not None for b in model.layers)  # none: ranks reduce per layer
+        # none: ranks reduce per layer (a one-call block, or all blocks in one call, would skip that)
+        blocks = sum(b.one_token_impl is not None for b in model.layers) + (model.one_token_impl is not None)
         results[mode] = {**runs, "taken": taken[0], "expected": len(layers) * len(nxt), "blocks": blocks}
         del llama, model, layers, impls
     save_and_finish(rank, results, out)
