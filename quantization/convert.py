@@ -325,17 +325,19 @@ class _OneTokenBlocks:
     layer's KV cache, router or norm weights."""
 
     def __init__(self, blocks: list):
-        self.blocks = [(b.keywords["block"], b.keywords["layer"], b.keywords["weights"]) for b in blocks]
+        # per block: its attention, MoE and two norm modules (held, not looked up each step), the
+        # one-call attention layer and the MoE's weights
+        self.blocks = [(b.attention, b.feed_forward, b.attention_norm, b.ffn_norm, p.keywords["layer"],
+                        p.keywords["weights"]) for p in blocks for b in (p.keywords["block"],)]  # fmt: skip
         self.kept = None  # (key, plan, the objects the key names by id: kept alive, so ids stay theirs)
 
     def __call__(self, x_1D: torch.Tensor, positions_bs: torch.Tensor, rope) -> Optional[torch.Tensor]:
         if x_1D.device.type != "cpu":  # as MoE.forward: a GPU would stall on the host-read expert
             return None
         objs = []
-        for block, _, _ in self.blocks:
-            cache = block.attention.cache
-            objs += (cache, *cache.store.tensors(), block.feed_forward.router_fp32(), block.attention_norm.weight,
-                     block.ffn_norm.weight)  # fmt: skip
+        for attention, moe, norm1, norm2, _, _ in self.blocks:
+            cache = attention.cache
+            objs += (cache, *cache.store.tensors(), moe.router_fp32(), norm1.weight, norm2.weight)
         key = (kernels.block_layer.state(), tuple(map(id, objs)))
         if self.kept is None or self.kept[0] != key:
             self.kept = (key, kernels.plan_blocks(x_1D, [self._plan_args(*b) for b in self.blocks]), objs)
@@ -344,8 +346,7 @@ class _OneTokenBlocks:
             return None
         temperatures = {}  # one per distinct setting: every layer with temperature tuning shares the model's
         q_scales = []
-        for block, _, _ in self.blocks:
-            attention = block.attention
+        for attention, *_ in self.blocks:
             if not attention.temperature_tuning:
                 q_scales.append(None)
                 continue
@@ -356,11 +357,10 @@ class _OneTokenBlocks:
         return kernels.run_blocks(plan, x_1D, int(positions_bs), rope, q_scales)
 
     @staticmethod
-    def _plan_args(block: TransformerBlock, layer, weights: tuple) -> tuple:
-        attention, moe, cache = block.attention, block.feed_forward, block.attention.cache
-        norms = (block.attention_norm.weight, block.attention_norm.eps, block.ffn_norm.weight, block.ffn_norm.eps)
+    def _plan_args(attention: Attention, moe: MoE, norm1: RMSNorm, norm2: RMSNorm, layer, weights: tuple) -> tuple:
+        cache = attention.cache
         return (attention.use_rope, layer, (*cache.store.tensors(), cache.chunk or 0, isinstance(cache, RingCache)),
-                (moe.router_fp32(), *weights), norms)  # fmt: skip
+                (moe.router_fp32(), *weights), (norm1.weight, norm1.eps, norm2.weight, norm2.eps))  # fmt: skip
 
 
 def _moe_one_token(x_1D: torch.Tensor, router_ED: torch.Tensor, weights: tuple) -> Optional[torch.Tensor]:
