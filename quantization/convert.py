@@ -12,6 +12,7 @@ the same numbers.
 
 import ctypes
 import logging
+import weakref
 from dataclasses import replace
 from functools import partial
 from typing import Optional
@@ -329,7 +330,7 @@ class _OneTokenBlocks:
         # one-call attention layer and the MoE's weights
         self.blocks = [(b.attention, b.feed_forward, b.attention_norm, b.ffn_norm, p.keywords["layer"],
                         p.keywords["weights"]) for p in blocks for b in (p.keywords["block"],)]  # fmt: skip
-        self.kept = None  # (key, plan, the objects the key names by id: kept alive, so ids stay theirs)
+        self.kept = None  # (kernels' state, weak references to what the plan was made from, plan)
 
     def __call__(self, x_1D: torch.Tensor, positions_bs: torch.Tensor, rope) -> Optional[torch.Tensor]:
         if x_1D.device.type != "cpu":  # as MoE.forward: a GPU would stall on the host-read expert
@@ -338,10 +339,13 @@ class _OneTokenBlocks:
         for attention, moe, norm1, norm2, _, _ in self.blocks:
             cache = attention.cache
             objs += (cache, *cache.store.tensors(), moe.router_fp32(), norm1.weight, norm2.weight)
-        key = (kernels.block_layer.state(), tuple(map(id, objs)))
-        if self.kept is None or self.kept[0] != key:
-            self.kept = (key, kernels.plan_blocks(x_1D, [self._plan_args(*b) for b in self.blocks]), objs)
-        plan = self.kept[1]
+        state = kernels.block_layer.state()
+        kept = self.kept
+        # weak references: a plan must not keep replaced KV caches alive (they may be large)
+        if kept is None or kept[0] != state or not all(ref() is obj for ref, obj in zip(kept[1], objs)):
+            plan = kernels.plan_blocks(x_1D, [self._plan_args(*b) for b in self.blocks])
+            kept = self.kept = (state, [weakref.ref(obj) for obj in objs], plan)
+        plan = kept[2]
         if plan is None:
             return None
         temperatures = {}  # one per distinct setting: every layer with temperature tuning shares the model's

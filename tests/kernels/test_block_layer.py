@@ -8,6 +8,9 @@ The library runs the very functions of the separate calls and adds as PyTorch do
 rounding to bf16), so logits and caches must be bit-equal: any difference is a bug.
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -83,7 +86,7 @@ def test_all_blocks_in_one_call_match_the_blocks_calls(built, layout, isa, count
             logits, _ = one_call.decode(model, layout)
         finally:
             cpu.set_isa(None)
-        assert counted_steps == [0, 0] and model.one_token_impl.kept[1] is None and logits.isfinite().all()
+        assert counted_steps == [0, 0] and model.one_token_impl.kept[2] is None and logits.isfinite().all()
         return
     check_against_separate_calls(model, [model], layout, isa, counted_steps, cpu)
 
@@ -99,7 +102,7 @@ def test_a_new_plan_when_threads_router_or_caches_change(built, monkeypatch):
         want, _ = one_call.decode(model, "by_kind")
         monkeypatch.setattr(model, "one_token_impl", hook)
         assert torch.equal(got, want)
-        return got, hook.kept[1]
+        return got, hook.kept[2]
 
     first, plan = both()
     threads = torch.get_num_threads()
@@ -121,6 +124,16 @@ def test_a_new_plan_when_threads_router_or_caches_change(built, monkeypatch):
     assert plan2 is not plan1 and not torch.equal(flipped, first)
     again, _ = both()
     assert torch.equal(again, first)
+
+
+def test_the_plan_keeps_no_replaced_cache_alive(built):
+    model = built.model
+    one_call.decode(model, "by_kind")  # the plan is made from these caches
+    assert model.one_token_impl.kept[2] is not None
+    old = weakref.ref(model.layers[0].attention.cache.store.k)
+    model.setup_caches()
+    gc.collect()
+    assert old() is None
 
 
 def test_a_position_outside_a_cache_names_the_block(built):
