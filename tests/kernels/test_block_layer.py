@@ -32,34 +32,30 @@ def built(request, tiny_ckpt, dist1):
     return quantization.build(tiny_ckpt, mode, targets=targets, max_seq_len=64, max_batch_size=1, progress=False)
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """[taken, declined]: the one-call block's calls."""
+def _count(monkeypatch, name: str) -> list:
+    """[taken, declined]: calls of ``kernels.<name>`` that returned a result / None."""
     n = [0, 0]
-    real = kernels.one_token_block
+    real = getattr(kernels, name)
 
     def call(*args):
         out = real(*args)
         n[out is None] += 1
         return out
 
-    monkeypatch.setattr(kernels, "one_token_block", call)
+    monkeypatch.setattr(kernels, name, call)
     return n
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """[taken, declined]: the one-call block's calls."""
+    return _count(monkeypatch, "one_token_block")
 
 
 @pytest.fixture
 def counted_steps(monkeypatch):
     """[taken, declined]: the model's all-blocks call (taken: run_blocks ran; declined: it returned None)."""
-    n = [0, 0]
-    real = kernels.run_blocks
-
-    def call(*args):
-        out = real(*args)
-        n[out is None] += 1
-        return out
-
-    monkeypatch.setattr(kernels, "run_blocks", call)
-    return n
+    return _count(monkeypatch, "run_blocks")
 
 
 @pytest.mark.parametrize("layout", ["by_kind", "full"])
