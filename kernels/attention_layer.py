@@ -105,6 +105,7 @@ class OneTokenAttention:
                            cache_k.data_ptr(), cache_v.data_ptr(), (ctypes.c_int64 * 6)(*cache_k.stride()[:3],
                            *cache_v.stride()[:3]), cache_k.shape[1], chunk, ring,
                            torch.get_num_threads())  # fmt: skip
+        plan.keep = keep  # whoever holds the plan (kernels.block_layer's plans too) holds what it points to
         return plan, keep
 
     def __call__(self, x: torch.Tensor, position: int, rope: Optional[tuple], q_scale: Optional[float],

@@ -54,8 +54,9 @@ def _norm_ok(w: torch.Tensor, dim: int) -> bool:
 
 def _block_plan(x: torch.Tensor, rope: Optional[tuple], attention: OneTokenAttention, cache: tuple, moe: tuple,
                 norms: tuple) -> Optional[tuple]:  # fmt: skip
-    """(LlkBlockPlan, its attention plan, cos pointer, sin pointer) of the library call for these arguments, or None where
-    it does not apply. Plans are kept (with what they point to) in the attention layer's dict."""
+    """(entry, cos pointer, sin pointer) of the library call for these arguments, or None where it
+    does not apply: entry is (LlkBlockPlan, its attention plan, its MoE plan, the norm weights), kept
+    in the attention layer's dict; holding it holds all that the block plan points to."""
     norm1, eps1, norm2, eps2 = norms
     if x.dim() != 2 or not (_norm_ok(norm1, x.shape[-1]) and _norm_ok(norm2, x.shape[-1])):
         return None
@@ -76,7 +77,7 @@ def _block_plan(x: torch.Tensor, rope: Optional[tuple], attention: OneTokenAtten
         bp = LlkBlockPlan(ctypes.addressof(plan), ctypes.addressof(mplan), isinstance(mplan, LlkMoeBf16Plan),
                           norm1.data_ptr(), norm2.data_ptr(), eps1, eps2, plan.D, threads)  # fmt: skip
         entry = kept[key] = (bp, plan, mplan, norm1, norm2)  # the plans and norms live as long as it
-    return entry[0], plan, cos, sin
+    return entry, cos, sin
 
 
 def _check_rc(rc: int, plan: LlkAttnPlan, position: int, fn: str) -> None:
@@ -90,7 +91,7 @@ def one_token_block(x: torch.Tensor, position: int, rope: Optional[tuple], q_sca
     call = _block_plan(x, rope, attention, cache, moe, norms)
     if call is None:
         return None
-    bp, plan, cos, sin = call
+    (bp, plan, *_), cos, sin = call
     out = torch.empty(1, bp.D, dtype=torch.bfloat16)
     rc = library("avx2").llk_block_one_token(ctypes.addressof(bp), x.data_ptr(), position, cos, sin,
                                              q_scale is not None, q_scale or 0.0, out.data_ptr())  # fmt: skip
@@ -110,6 +111,7 @@ class BlocksPlan:
         self.n = n
         self.plans, self.rope = (ctypes.c_void_p * n)(), (ctypes.c_int8 * n)()
         self.use_q, self.q_scales = (ctypes.c_int8 * n)(), (ctypes.c_float * n)()
+        self.entries: list[tuple] = []  # each block's (LlkBlockPlan, attention plan, MoE plan, norms): held
         self.attns: list[LlkAttnPlan] = []
         self.blocks: list[LlkBlockPlan] = []
 
@@ -126,9 +128,11 @@ def plan_blocks(x: torch.Tensor, blocks: list) -> Optional[BlocksPlan]:
         call = _block_plan(x, None, attention, cache, moe, norms)  # the step's RoPE is checked by run_blocks
         if call is None:
             return None
-        bp.blocks.append(call[0])
-        bp.attns.append(call[1])
-        bp.plans[i], bp.rope[i] = ctypes.addressof(call[0]), use_rope
+        entry = call[0]
+        bp.entries.append(entry)
+        bp.blocks.append(entry[0])
+        bp.attns.append(entry[1])
+        bp.plans[i], bp.rope[i] = ctypes.addressof(entry[0]), use_rope
     return bp
 
 

@@ -65,6 +65,7 @@ def _plan(router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[tuple]:
     keep = [router_ED, starts, ends, one_start, one_end, s1, s3, s2]  # (the shared weights' ids are in the key)
     plan = LlkMoePlan(e, d, a13.N, b13.N, router_ED.data_ptr(), ctypes.addressof(starts), ctypes.addressof(ends),
                       *(LlkGemvCall.of(c, keep) for c in calls))  # fmt: skip
+    plan.keep = keep  # whoever holds the plan (kernels.block_layer's plans too) holds what it points to
     return plan, keep
 
 
@@ -105,7 +106,8 @@ def _bf16_plan(router_ED: torch.Tensor, w1, w3, w2, s1, s3, s2) -> Optional[tupl
     fn = ctypes.cast(gemv[0], ctypes.c_void_p).value
     plan = LlkMoeBf16Plan(e, d, f, fs, router_ED.data_ptr(), *(w.data_ptr() for w in ws), fn,
                           torch.get_num_threads())  # fmt: skip
-    return plan, [router_ED, *ws[1:]]  # not w1: it keys the plan (a strong reference would keep it forever)
+    plan.keep = [router_ED, *ws[1:]]  # not w1: it keys the plan (a strong reference would keep it forever)
+    return plan, plan.keep
 
 
 def _moe_bf16_plan(x: torch.Tensor, router_ED: torch.Tensor, path: str, ws: tuple) -> Optional[LlkMoeBf16Plan]:

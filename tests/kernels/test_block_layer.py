@@ -8,6 +8,7 @@ The library runs the very functions of the separate calls and adds as PyTorch do
 rounding to bf16), so logits and caches must be bit-equal: any difference is a bug.
 """
 
+import ctypes
 import gc
 import weakref
 
@@ -17,6 +18,7 @@ import torch
 import kernels
 import quantization
 from kernels import block_layer, cpu
+from kernels import moe as moe_module
 
 import one_call
 from llama_lite.model import rope_at
@@ -124,6 +126,42 @@ def test_a_new_plan_when_threads_or_router_change(built):
     assert plan2 is not plan1 and not torch.equal(flipped, first)
     again, plan3 = step()
     assert plan3 is not plan2 and torch.equal(again, first)
+
+
+def test_the_plan_holds_what_it_points_to(built):
+    # the layers' plan dicts are emptied when they fill up; the all-blocks plan, made earlier and
+    # still valid, must keep each block's plans and their GEMV argument blocks alive
+    model = built.model
+    hook = model.one_token_impl
+    one_call.decode(model, "by_kind")
+    plan = hook.kept[2]
+    # the attention and MoE plans the C block plans point to (from the layers' dicts), and their
+    # GEMVs' argument blocks
+    blocks = [block_layer.LlkBlockPlan.from_address(plan.plans[i]) for i in range(len(model.layers))]
+    used = {b.attn for b in blocks} | {b.moe for b in blocks}
+    held = []
+    for *_, layer, weights in hook.blocks:
+        w1 = weights[0]
+        dicts = (layer._plans, moe_module._bf16_plans(w1) if isinstance(w1, torch.Tensor) else w1.prepared["moe_one_token"])
+        for entry in (e for d in dicts for e in d.values() if e[0] is not None and ctypes.addressof(e[0]) in used):
+            held += [entry[0], *(a for a in entry[1] if isinstance(a, ctypes.Structure))]
+        for d in (*dicts, layer.block_plans):
+            d.clear()
+    assert len([h for h in held if ctypes.addressof(h) in used]) == len(used)
+    args = [weakref.ref(a) for a in held]
+    del held, entry, blocks
+    gc.collect()
+    assert all(r() is not None for r in args)
+    with torch.inference_mode():  # one more step with the same plan, against the blocks' own calls
+        x = torch.ones(1, model.args.dim, dtype=torch.bfloat16)
+        pos = torch.tensor([[len(one_call.NEXT) + one_call.PROMPT.shape[1]]])
+        rope = rope_at(model.rope_freqs, pos)
+        out = hook(x, pos, rope)
+        assert hook.kept[2] is plan
+        h = x.view(1, 1, -1)  # the blocks' calls write the same K and V at the same position again
+        for b in model.layers:
+            h = b(h, pos, rope, None)
+    assert torch.equal(out, h.view(1, -1))
 
 
 def test_new_caches_get_a_new_plan(built, monkeypatch):
