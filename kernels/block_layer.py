@@ -162,6 +162,7 @@ def run_blocks(plan: BlocksPlan, x: torch.Tensor, position: int, rope: Optional[
     if rc:
         i = failed.value
         if rc == -1:
-            raise ValueError(f"block {i}: position {position} lies outside its layer's KV cache of {plan.attns[i].slots} slots")
+            slots = plan.attns[i].slots
+            raise ValueError(f"block {i}: position {position} lies outside its layer's KV cache of {slots} slots")
         _check_rc(rc, plan.attns[i], position, f"llk_blocks_one_token (block {i})")
     return out

@@ -142,7 +142,8 @@ def test_the_plan_holds_what_it_points_to(built):
     held = []
     for *_, layer, weights in hook.blocks:
         w1 = weights[0]
-        dicts = (layer._plans, moe_module._bf16_plans(w1) if isinstance(w1, torch.Tensor) else w1.prepared["moe_one_token"])
+        moe_plans = moe_module._bf16_plans(w1) if isinstance(w1, torch.Tensor) else w1.prepared["moe_one_token"]
+        dicts = (layer._plans, moe_plans)
         for entry in (e for d in dicts for e in d.values() if e[0] is not None and ctypes.addressof(e[0]) in used):
             held += [entry[0], *(a for a in entry[1] if isinstance(a, ctypes.Structure))]
         for d in (*dicts, layer.block_plans):

@@ -27,7 +27,7 @@ def test_loader_installs_the_kernel_and_decode_agrees_with_sdpa(tiny_ckpt, dist1
     layers = [m for m in llama.model.modules() if isinstance(m, Attention)]
     impl = register_attention(kernels.decode_attention, kernels.decode_step)
     assert impl != 0 and layers and all(m.attend_impl == impl for m in layers)
-    for m in [*layers, *llama.model.layers, llama.model]:  # the separate calls (one-call layers and blocks: tests/kernels)
+    for m in [*layers, *llama.model.layers, llama.model]:  # the separate calls (the one-call ones: tests/kernels)
         m.one_token_impl = None
 
     calls, steps = [], []
