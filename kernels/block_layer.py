@@ -112,8 +112,12 @@ class BlocksPlan:
         self.plans, self.rope = (ctypes.c_void_p * n)(), (ctypes.c_int8 * n)()
         self.use_q, self.q_scales = (ctypes.c_int8 * n)(), (ctypes.c_float * n)()
         self.entries: list[tuple] = []  # each block's (LlkBlockPlan, attention plan, MoE plan, norms): held
-        self.attns: list[LlkAttnPlan] = []
-        self.blocks: list[LlkBlockPlan] = []
+        self.d = 0  # the token's width
+        self.rope_hd: Optional[int] = None  # the head size of the blocks with RoPE (None: no block has it)
+
+    @property
+    def blocks(self) -> list[LlkBlockPlan]:
+        return [e[0] for e in self.entries]
 
 
 def plan_blocks(x: torch.Tensor, blocks: list) -> Optional[BlocksPlan]:
@@ -130,9 +134,12 @@ def plan_blocks(x: torch.Tensor, blocks: list) -> Optional[BlocksPlan]:
             return None
         entry = call[0]
         bp.entries.append(entry)
-        bp.blocks.append(entry[0])
-        bp.attns.append(entry[1])
         bp.plans[i], bp.rope[i] = ctypes.addressof(entry[0]), use_rope
+    bp.d = bp.entries[0][1].D
+    hds = {e[1].hd for e, r in zip(bp.entries, bp.rope) if r}
+    if len(hds) > 1:  # one RoPE for the step: no plan for layers of different head sizes
+        return None
+    bp.rope_hd = hds.pop() if hds else None
     return bp
 
 
@@ -141,14 +148,13 @@ def run_blocks(plan: BlocksPlan, x: torch.Tensor, position: int, rope: Optional[
     """The blocks of ``plan`` for the token x ([1, D] bf16) at ``position``: ``rope`` the (cos, sin) of
     the position for the blocks with RoPE, ``q_scales`` each block's temperature (a float or None).
     The last block's output, or None (nothing computed) where x or rope does not fit the plan."""
-    d = plan.attns[0].D
+    d = plan.d
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.shape != (1, d) or x.stride(-1) != 1:
         return None
     cos = sin = None
-    if any(plan.rope):
+    if plan.rope_hd is not None:
         cos, sin = rope
-        hd = {a.hd for a, r in zip(plan.attns, plan.rope) if r}
-        if cos.dtype != torch.float32 or len(hd) != 1 or cos.numel() != hd.pop() or sin.numel() != cos.numel():
+        if cos.dtype != torch.float32 or cos.numel() != plan.rope_hd or sin.numel() != cos.numel():
             return None
         if not cos.is_contiguous() or not sin.is_contiguous():
             return None
@@ -161,8 +167,8 @@ def run_blocks(plan: BlocksPlan, x: torch.Tensor, position: int, rope: Optional[
                                               plan.use_q, plan.q_scales, out.data_ptr(), ctypes.byref(failed))  # fmt: skip
     if rc:
         i = failed.value
+        attn = plan.entries[i][1]
         if rc == -1:
-            slots = plan.attns[i].slots
-            raise ValueError(f"block {i}: position {position} lies outside its layer's KV cache of {slots} slots")
-        _check_rc(rc, plan.attns[i], position, f"llk_blocks_one_token (block {i})")
+            raise ValueError(f"block {i}: position {position} lies outside its layer's KV cache of {attn.slots} slots")
+        _check_rc(rc, attn, position, f"llk_blocks_one_token (block {i})")
     return out

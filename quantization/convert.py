@@ -300,9 +300,13 @@ def _attention_to_kernels(model: Transformer) -> None:
         model.one_token_impl = _OneTokenBlocks([block.one_token_impl for block in model.layers])
 
 
+def _cache_args(cache) -> tuple:
+    """A layer's KV cache as the one-call layers take it: its tensors, chunk, whether a ring."""
+    return (*cache.store.tensors(), cache.chunk or 0, isinstance(cache, RingCache))
+
+
 def _attention_one_token(x_1D: torch.Tensor, position: int, rope, q_scale, layer, attention: Attention):
-    cache = attention.cache
-    return layer(x_1D, position, rope, q_scale, *cache.store.tensors(), cache.chunk or 0, isinstance(cache, RingCache))
+    return layer(x_1D, position, rope, q_scale, *_cache_args(attention.cache))
 
 
 def _block_one_token(x_1D: torch.Tensor, positions_bs: torch.Tensor, rope, block: TransformerBlock, layer,
@@ -311,12 +315,10 @@ def _block_one_token(x_1D: torch.Tensor, positions_bs: torch.Tensor, rope, block
     if x_1D.device.type != "cpu":  # as MoE.forward: a GPU would stall on the host-read expert
         return None
     q_scale = attention.temperature(positions_bs)
-    cache = attention.cache
     norms = (block.attention_norm.weight, block.attention_norm.eps, block.ffn_norm.weight, block.ffn_norm.eps)
     return kernels.one_token_block(x_1D, int(positions_bs), rope if attention.use_rope else None,
                                    None if q_scale is None else float(q_scale), layer,
-                                   (*cache.store.tensors(), cache.chunk or 0, isinstance(cache, RingCache)),
-                                   (moe.router_fp32(), *weights), norms)  # fmt: skip
+                                   _cache_args(attention.cache), (moe.router_fp32(), *weights), norms)  # fmt: skip
 
 
 class _OneTokenBlocks:
@@ -328,8 +330,11 @@ class _OneTokenBlocks:
     def __init__(self, blocks: list):
         # per block: its attention, MoE and two norm modules (held, not looked up each step), the
         # one-call attention layer and the MoE's weights
-        self.blocks = [(b.attention, b.feed_forward, b.attention_norm, b.ffn_norm, p.keywords["layer"],
-                        p.keywords["weights"]) for p in blocks for b in (p.keywords["block"],)]  # fmt: skip
+        self.blocks = []
+        for p in blocks:
+            b = p.keywords["block"]
+            self.blocks.append((b.attention, b.feed_forward, b.attention_norm, b.ffn_norm, p.keywords["layer"],
+                                p.keywords["weights"]))  # fmt: skip
         self.kept = None  # (kernels' state, weak references to what the plan was made from, plan)
 
     def __call__(self, x_1D: torch.Tensor, positions_bs: torch.Tensor, rope) -> Optional[torch.Tensor]:
@@ -362,9 +367,8 @@ class _OneTokenBlocks:
 
     @staticmethod
     def _plan_args(attention: Attention, moe: MoE, norm1: RMSNorm, norm2: RMSNorm, layer, weights: tuple) -> tuple:
-        cache = attention.cache
-        return (attention.use_rope, layer, (*cache.store.tensors(), cache.chunk or 0, isinstance(cache, RingCache)),
-                (moe.router_fp32(), *weights), (norm1.weight, norm1.eps, norm2.weight, norm2.eps))  # fmt: skip
+        return (attention.use_rope, layer, _cache_args(attention.cache), (moe.router_fp32(), *weights),
+                (norm1.weight, norm1.eps, norm2.weight, norm2.eps))  # fmt: skip
 
 
 def _moe_one_token(x_1D: torch.Tensor, router_ED: torch.Tensor, weights: tuple) -> Optional[torch.Tensor]:
