@@ -1,5 +1,6 @@
 """Building a Llama 4 from a checkpoint folder, and batched, streaming generation."""
 
+import functools
 import os
 import time
 import warnings
@@ -261,28 +262,31 @@ class Llama4:
                 ]
             logits = logits[torch.arange(bsz, device=dev), lens - 1].unsqueeze(1)
 
-        pos = start + lens  # where each row's next token goes
-        done = torch.zeros(bsz, dtype=torch.bool, device=dev)
+        # The per-step bookkeeping is in Python lists: a dozen operators on tensors of B values cost
+        # more than the lists (each ~10-30 us on a CPU, right after a step's weights swept the caches).
+        stop_set = set(int(t) for t in stops.tolist())
+        pos, lim = (start + lens).tolist(), limit.tolist()  # where each row's next token goes; its end
+        last = self.args.max_seq_len - 1
+        done = [False] * bsz
         while True:
             next_logits = logits[:, -1]
             nxt = sample(next_logits, temperature, top_p, top_k, gen)
-            token_lp = torch.log_softmax(next_logits, dim=-1).gather(-1, nxt[:, None])[:, 0] if logprobs else None
-            was_done = done.clone()
-            done |= torch.isin(nxt, stops) | (pos + 1 >= limit)
+            token_lp = torch.log_softmax(next_logits, dim=-1).gather(-1, nxt[:, None])[:, 0].tolist() if logprobs else None
+            toks, was_done = nxt.tolist(), done
+            done = [d or t in stop_set or p + 1 >= n for d, t, p, n in zip(was_done, toks, pos, lim)]
             yield [
                 GenerationResult(
-                    token=int(nxt[i]), text=self.tokenizer.decode([int(nxt[i])]), source="output", batch_idx=i,
-                    finished=bool(done[i]), ignore_token=bool(was_done[i]),
-                    logprobs=[float(token_lp[i])] if logprobs else None,
+                    token=toks[i], text=self.tokenizer.decode([toks[i]]), source="output", batch_idx=i,
+                    finished=done[i], ignore_token=was_done[i], logprobs=[token_lp[i]] if logprobs else None,
                 )
                 for i in range(bsz)
             ]
-            if bool(done.all()):
+            if all(done):
                 return
             # Finished rows keep a valid position; their outputs are ignored from here on.
-            write = torch.where(done, torch.clamp(pos, max=self.args.max_seq_len - 1), pos)
+            write = torch.tensor([min(p, last) if d else p for p, d in zip(pos, done)], device=dev)
             logits = self.model(nxt[:, None], write)
-            pos = torch.where(done, pos, pos + 1)
+            pos = [p if d else p + 1 for p, d in zip(pos, done)]
 
     def image_inputs(self, tokens: torch.Tensor, images) -> dict:
         """``Transformer.forward``'s image_embeddings / image_mask for a batch of (padded) prompt tokens
@@ -351,10 +355,33 @@ class Llama4:
 def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: Optional[int], gen) -> torch.Tensor:
     """Greedy at temperature 0; otherwise softmax(logits / T) restricted to top-k, then to the top-p nucleus."""
     if temperature == 0:
-        return torch.argmax(logits, dim=-1)
+        return greedy(logits)
     kept_p, idx = nucleus(torch.softmax(logits / temperature, dim=-1), top_p, top_k)
     choice = torch.multinomial(kept_p, 1, generator=gen)
     return idx.gather(-1, choice)[:, 0]
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` of logits [B, V] (the first index of each row's largest value,
+    a NaN counting as the largest), in two passes: the largest value of each block of a row's
+    values, the first block that holds the row's largest, then the first index of it there. On a
+    CPU ``amax`` is vectorized and ``argmax`` is not: a 202048-token vocabulary took ~140 us a row
+    by ``argmax`` and ~27 us so (blocks of 1232). Other lengths (see ``_block_size``) take ``argmax``."""
+    rows, vocab = logits.shape
+    size = _block_size(vocab)
+    if size is None or logits.stride(-1) != 1:
+        return torch.argmax(logits, dim=-1)
+    blocks = logits.view(rows, vocab // size, size)
+    first = blocks.amax(dim=-1).argmax(dim=-1)  # amax and argmax agree on NaN: it is the largest
+    return first * size + blocks[torch.arange(rows, device=logits.device), first].argmax(dim=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_size(vocab: int) -> Optional[int]:
+    """``greedy``'s block: the divisor of ``vocab`` in 256..4096 that is a multiple of 16 (whole
+    vectors: other blocks measured up to 1.8x slower) and closest to 1024, or None."""
+    sizes = [d for d in range(256, 4097, 16) if vocab % d == 0 and vocab // d >= 2]
+    return min(sizes, key=lambda d: abs(d - 1024)) if sizes else None
 
 
 def nucleus(probs: torch.Tensor, top_p: float, top_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:

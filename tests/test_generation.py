@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llama_lite.errors import PromptError
-from llama_lite.generation import nucleus, sample
+from llama_lite.generation import greedy, nucleus, sample
 from llama_lite.model import MoE
 
 
@@ -152,6 +152,44 @@ def test_moe_cost_per_token_does_not_grow_with_experts(tiny_llama, monkeypatch):
     f = ex.w1.shape[2]
     assert sum(flops) == 50 * moe.top_k * (2 * ex.dim * f * 3)
     assert len(flops) <= 3 * ex.num_experts
+
+
+def test_rows_finish_on_their_own(tiny_llama):
+    """A row that meets a stop token finishes there (its later results are flagged ignored) while
+    the others go on as they would alone; generation ends when every row is finished."""
+    prompts = [[200000, 11, 22, 33], [200000, 7]]
+    alone = [tiny_llama.generate_tokens([p], temperature=0, max_gen_len=12, stop_tokens=[])[0] for p in prompts]
+    # a stop token for row 0 at its 3rd step that row 1 does not produce before its end
+    stop = next(t for t in alone[0][2:] if t not in alone[1] and t not in alone[0][:2])
+    at = alone[0].index(stop)
+    steps = list(tiny_llama.generate(prompts, temperature=0, max_gen_len=12, stop_tokens=[stop]))
+    assert len(steps) == 12  # row 1 runs to max_gen_len
+    row0, row1 = [s[0] for s in steps], [s[1] for s in steps]
+    assert [r.token for r in row0[: at + 1]] == alone[0][: at + 1]
+    assert [r.finished for r in row0] == [False] * at + [True] * (12 - at)
+    assert [r.ignore_token for r in row0] == [False] * (at + 1) + [True] * (11 - at)
+    assert [r.token for r in row1] == alone[1] and not any(r.ignore_token for r in row1)
+    assert [r.finished for r in row1] == [False] * 11 + [True]
+    # every row stopped: no step after the last row's stop token
+    both = list(tiny_llama.generate(prompts, temperature=0, max_gen_len=12, stop_tokens=[alone[0][0], alone[1][0]]))
+    assert len(both) == 1 and all(r.finished for r in both[0])
+
+
+@pytest.mark.parametrize("vocab", [202048, 4096, 1000])
+def test_greedy_is_argmax(vocab):
+    """``greedy`` (blocks where the vocabulary has a fit divisor; 1000 has none) picks what
+    ``torch.argmax`` picks: the first of equal largest values, NaN as the largest, rows of -inf."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1, [5, vocab // 2, vocab - 1]] = 9.0  # ties in different blocks
+    x[2, [vocab - 3, vocab - 2]] = 9.0  # ties in one block
+    x[3, [vocab // 3, vocab - 7]] = float("nan")
+    x[4] = float("-inf")
+    x[5, 0] = 9.0
+    assert torch.equal(greedy(x), torch.argmax(x, dim=-1))
+    wide = torch.randn(3, 2 * vocab, generator=g)
+    assert torch.equal(greedy(wide[:, ::2]), torch.argmax(wide[:, ::2], dim=-1))  # a strided view
+    assert torch.equal(greedy(x.to(torch.bfloat16)), torch.argmax(x.to(torch.bfloat16), dim=-1))
 
 
 def test_seeded_sampling_is_deterministic(tiny_llama):
