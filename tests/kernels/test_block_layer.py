@@ -244,3 +244,28 @@ def test_a_norm_weight_it_cannot_read_is_declined(built):
     assert block_layer.one_token_block(*args, (w.float(), eps, w, eps)) is None  # fp32 weight
     assert block_layer.one_token_block(*args, (w[:-1], eps, w, eps)) is None  # too short
     assert block_layer.one_token_block(*args, (w, eps, w, eps)) is not None
+
+
+def test_the_temperature_is_the_cores_at_every_position(built):
+    """The hook's temperature (one value per floor_scale positions where that is exact) equals the
+    core's at positions on either side of each boundary and near 2^24, where fp32 stops being
+    exact, computed afresh and from the memo; with a floor_scale that is not a power of two too."""
+    model = built.model
+    hook = model.one_token_impl
+    attention = next(b.attention for b in model.layers if b.attention.temperature_tuning)
+    kept, s = attention.floor_scale, int(attention.floor_scale)
+    assert s & (s - 1) == 0  # Llama 4's 8192: the memo's case
+    positions = [0, 1, s - 2, s - 1, s, 2 * s - 1, 2 * s, 5 * s + 3, 2**24 - 2, 2**24 - 1, 2**24, 2**24 + 7, 2**25 - 2, 2**30 + 1]
+    try:
+        for scale in (kept, 1000.0, 0.5):
+            attention.floor_scale = scale
+            hook.temperatures.clear()
+            for p in positions + positions[::-1]:  # afresh, then from the memo
+                t = torch.tensor([[p]])
+                assert hook._temperature(attention, p, t, {}) == float(attention.temperature(t)), (scale, p)
+            # the memo holds one value per quotient, for the exact positions only (up to 2^24 - 1)
+            want = {(p + 1) // s for p in positions if p + 1 <= 2**24} if scale == kept else set()
+            assert {key[-1] for key in hook.temperatures} == want
+    finally:
+        attention.floor_scale = kept
+        hook.temperatures.clear()
