@@ -212,6 +212,31 @@ def test_parse_bench_json_and_ratios():
     assert "| int4_mixed | Q8_0 | 1.00x (0.90-1.20, 3) | 0.75x | 0.50x |" in notes and "-p 0 -n 24 -r 1" in notes
 
 
+def test_targets_against_llama_cpp():
+    """The acceptance targets against llama.cpp come from the measured ratios: decode by the
+    interleaved median where there is one, else the separate runs; prefill by the separate runs;
+    nothing where llama.cpp did not run."""
+    lite = lambda mode, d, p, pct: {"engine": "llama-lite", "mode": mode, "decode_b1_tok_s": d,  # noqa: E731
+                                    "prefill_tok_s": p, "roofline_pct": pct}
+    cpp = lambda mode, d, p: {"engine": "llama.cpp", "mode": mode, "decode_b1_tok_s": d, "prefill_tok_s": p}  # noqa: E731
+    results = [lite("bf16", 12, 300, 90), lite("int4_mixed", 20, 250, 65),
+               {**lite("int4_all", 40, 200, 69), "llama_cpp_pair": {"mode": "Q4_0", "ratios": [1.2, 1.4, 1.35]}},
+               cpp("bf16", 13, 140), cpp("Q8_0", 18, 80), cpp("Q4_0", 20, 150)]
+    got = {t["target"]: (round(t["value"], 4), t["goal"], t["met"]) for t in benchmark.check_targets(results, "bench")}
+    assert got["bf16 vs llama.cpp bf16: decode b1, separate runs"] == (round(12 / 13, 4), 1.0, False)
+    assert got["bf16 vs llama.cpp bf16: prefill"] == (round(300 / 140, 4), 2.0, True)
+    assert got["int4_mixed vs llama.cpp Q8_0: decode b1, separate runs"] == (round(20 / 18, 4), 1.0, True)
+    assert "int4_mixed vs llama.cpp Q8_0: prefill" not in got  # no goal
+    assert got["int4_all vs llama.cpp Q4_0: decode b1, interleaved"] == (1.35, 1.3, True)
+    assert got["int4_all vs llama.cpp Q4_0: prefill"] == (round(200 / 150, 4), 1.5, False)
+    assert got["bf16 decode % of roofline"] == (90, 85, True)
+    assert got["int4_all decode % of roofline"] == (69, 70, False)
+    assert got["int4_mixed decode % of roofline"] == (65, 60, True)
+    without = [r for r in results if r["engine"] != "llama.cpp"]
+    without[2] = {k: v for k, v in without[2].items() if k != "llama_cpp_pair"}
+    assert not [t for t in benchmark.check_targets(without, "bench") if "llama.cpp" in t["target"]]
+
+
 def test_interleaved_decode_runs(fake_llama_cpp, hf_export, tiny_ckpt, tmp_path, capsys):
     """A llama-lite mode's decode runs each followed by one llama-bench decode run of its pair, the
     ratio per neighbouring pair (the fake llama-bench slows down run by run: 20, 10, ... tok/s)."""
