@@ -271,7 +271,9 @@ class Llama4:
         while True:
             next_logits = logits[:, -1]
             nxt = sample(next_logits, temperature, top_p, top_k, gen)
-            token_lp = torch.log_softmax(next_logits, dim=-1).gather(-1, nxt[:, None])[:, 0].tolist() if logprobs else None
+            token_lp = None
+            if logprobs:
+                token_lp = torch.log_softmax(next_logits, dim=-1).gather(-1, nxt[:, None])[:, 0].tolist()
             toks, was_done = nxt.tolist(), done
             done = [d or t in stop_set or p + 1 >= n for d, t, p, n in zip(was_done, toks, pos, lim)]
             yield [

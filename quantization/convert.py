@@ -367,7 +367,8 @@ class _OneTokenBlocks:
         each quotient's value, computed once by the core, holds for all its positions (seven small
         operators a step less: ~0.1 ms of a decode step after the weights swept the caches)."""
         scale, setting = attention.floor_scale, (attention.floor_scale, attention.attn_scale)
-        exact = position + 1 <= 1 << 24 and scale >= 1 and float(scale).is_integer() and int(scale) & (int(scale) - 1) == 0
+        power_of_two = scale >= 1 and float(scale).is_integer() and int(scale) & (int(scale) - 1) == 0
+        exact = power_of_two and position + 1 <= 1 << 24
         key = (*setting, (position + 1) // int(scale)) if exact else setting
         memo = self.temperatures if exact else step
         if key not in memo:

@@ -179,6 +179,11 @@ def test_exit_reason():
     assert "SIGILL" in bench_llama_cpp.exit_reason(-4)
 
 
+def _row(engine: str, mode: str, decode: float, prefill: float, **more) -> dict:
+    """A result row of the benchmark: decode at batch 1 and prefill tokens/s."""
+    return {"engine": engine, "mode": mode, "decode_b1_tok_s": decode, "prefill_tok_s": prefill, **more}
+
+
 def test_parse_bench_json_and_ratios():
     tests = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 60.0, "stddev_ts": 30.0, "samples_ts": [82, 18, 80],
               "build_commit": "abc", "build_number": 7},
@@ -191,8 +196,8 @@ def test_parse_bench_json_and_ratios():
     with pytest.raises(ValueError, match="no JSON"):
         bench_llama_cpp.parse_bench_json("error: no model", 512, 24)
 
-    lite = lambda mode, d, p: {"engine": "llama-lite", "mode": mode, "decode_b1_tok_s": d, "prefill_tok_s": p}  # noqa: E731
-    cpp = lambda mode, d, p: {"engine": "llama.cpp", "mode": mode, "decode_b1_tok_s": d, "prefill_tok_s": p}  # noqa: E731
+    lite = lambda mode, d, p: _row("llama-lite", mode, d, p)  # noqa: E731
+    cpp = lambda mode, d, p: _row("llama.cpp", mode, d, p)  # noqa: E731
     pair = {"mode": "Q8_0", "ratios": [0.9, 1.2, 1.0]}  # int4_mixed's interleaved runs
     results = [lite("bf16", 6, 40), {**lite("int4_mixed", 9, 30), "llama_cpp_pair": pair},
                {**lite("int4_all", 1, 1), "error": "x"}, cpp("bf16", 4, 80), cpp("Q8_0", 12, 60), cpp("Q4_0", 16, 90)]
@@ -216,9 +221,8 @@ def test_targets_against_llama_cpp():
     """The acceptance targets against llama.cpp come from the measured ratios: decode by the
     interleaved median where there is one, else the separate runs; prefill by the separate runs;
     nothing where llama.cpp did not run."""
-    lite = lambda mode, d, p, pct: {"engine": "llama-lite", "mode": mode, "decode_b1_tok_s": d,  # noqa: E731
-                                    "prefill_tok_s": p, "roofline_pct": pct}
-    cpp = lambda mode, d, p: {"engine": "llama.cpp", "mode": mode, "decode_b1_tok_s": d, "prefill_tok_s": p}  # noqa: E731
+    lite = lambda mode, d, p, pct: _row("llama-lite", mode, d, p, roofline_pct=pct)  # noqa: E731
+    cpp = lambda mode, d, p: _row("llama.cpp", mode, d, p)  # noqa: E731
     results = [lite("bf16", 12, 300, 90), lite("int4_mixed", 20, 250, 65),
                {**lite("int4_all", 40, 200, 69), "llama_cpp_pair": {"mode": "Q4_0", "ratios": [1.2, 1.4, 1.35]}},
                cpp("bf16", 13, 140), cpp("Q8_0", 18, 80), cpp("Q4_0", 20, 150)]

@@ -255,7 +255,8 @@ def test_the_temperature_is_the_cores_at_every_position(built):
     attention = next(b.attention for b in model.layers if b.attention.temperature_tuning)
     kept, s = attention.floor_scale, int(attention.floor_scale)
     assert s & (s - 1) == 0  # Llama 4's 8192: the memo's case
-    positions = [0, 1, s - 2, s - 1, s, 2 * s - 1, 2 * s, 5 * s + 3, 2**24 - 2, 2**24 - 1, 2**24, 2**24 + 7, 2**25 - 2, 2**30 + 1]
+    positions = [0, 1, s - 2, s - 1, s, 2 * s - 1, 2 * s, 5 * s + 3,
+                 2**24 - 2, 2**24 - 1, 2**24, 2**24 + 7, 2**25 - 2, 2**30 + 1]  # fmt: skip
     try:
         for scale in (kept, 1000.0, 0.5):
             attention.floor_scale = scale
