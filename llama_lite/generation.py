@@ -236,8 +236,6 @@ class Llama4:
         dev, bsz = self.device, len(prompt_tokens)
         lens = torch.tensor([len(p) for p in prompt_tokens], device=dev)
         start = torch.tensor(list(start_pos or [0] * bsz), dtype=torch.long, device=dev)
-        limit = torch.clamp(start + lens + max_gen_len, max=self.args.max_seq_len)
-        stops = torch.tensor(list(stop_tokens if stop_tokens is not None else self.tokenizer.stop_tokens), device=dev)
         gen = torch.Generator(device=dev)
         gen.manual_seed(torch.initial_seed() if seed is None else seed)
 
@@ -264,8 +262,9 @@ class Llama4:
 
         # The per-step bookkeeping is in Python lists: a dozen operators on tensors of B values cost
         # more than the lists (each ~10-30 us on a CPU, right after a step's weights swept the caches).
-        stop_set = set(int(t) for t in stops.tolist())
-        pos, lim = (start + lens).tolist(), limit.tolist()  # where each row's next token goes; its end
+        stop_set = {int(t) for t in (stop_tokens if stop_tokens is not None else self.tokenizer.stop_tokens)}
+        pos = (start + lens).tolist()  # where each row's next token goes
+        lim = [min(p + max_gen_len, self.args.max_seq_len) for p in pos]  # and where it must end
         last = self.args.max_seq_len - 1
         done = [False] * bsz
         while True:

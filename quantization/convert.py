@@ -305,6 +305,12 @@ def _cache_args(cache) -> tuple:
     return (*cache.store.tensors(), cache.chunk or 0, isinstance(cache, RingCache))
 
 
+def _block_args(attention: Attention, moe: MoE, norm1: RMSNorm, norm2: RMSNorm, weights: tuple) -> tuple:
+    """A block's KV cache, MoE and norm arguments as ``kernels.one_token_block`` takes them."""
+    return (_cache_args(attention.cache), (moe.router_fp32(), *weights),
+            (norm1.weight, norm1.eps, norm2.weight, norm2.eps))  # fmt: skip
+
+
 def _attention_one_token(x_1D: torch.Tensor, position: int, rope, q_scale, layer, attention: Attention):
     return layer(x_1D, position, rope, q_scale, *_cache_args(attention.cache))
 
@@ -315,10 +321,9 @@ def _block_one_token(x_1D: torch.Tensor, positions_bs: torch.Tensor, rope, block
     if x_1D.device.type != "cpu":  # as MoE.forward: a GPU would stall on the host-read expert
         return None
     q_scale = attention.temperature(positions_bs)
-    norms = (block.attention_norm.weight, block.attention_norm.eps, block.ffn_norm.weight, block.ffn_norm.eps)
     return kernels.one_token_block(x_1D, int(positions_bs), rope if attention.use_rope else None,
                                    None if q_scale is None else float(q_scale), layer,
-                                   _cache_args(attention.cache), (moe.router_fp32(), *weights), norms)  # fmt: skip
+                                   *_block_args(attention, moe, block.attention_norm, block.ffn_norm, weights))
 
 
 class _OneTokenBlocks:
@@ -355,30 +360,29 @@ class _OneTokenBlocks:
         if plan is None:
             return None
         position = int(positions_bs)
-        step: dict = {}  # one per distinct setting: every layer with temperature tuning shares the model's
-        q_scales = [self._temperature(a, position, positions_bs, step) if a.temperature_tuning else None
+        q_scales = [self._temperature(a, position, positions_bs) if a.temperature_tuning else None
                     for a, *_ in self.blocks]  # fmt: skip
         return kernels.run_blocks(plan, x_1D, position, rope, q_scales)
 
-    def _temperature(self, attention: Attention, position: int, positions_bs: torch.Tensor, step: dict) -> float:
+    def _temperature(self, attention: Attention, position: int, positions_bs: torch.Tensor) -> float:
         """``attention.temperature`` at ``position`` as a float. It changes every floor_scale positions
         only: where floor_scale is a power of two (Llama 4's 8192) and position + 1 <= 2^24, the
         core's fp32 (position + 1) / floor_scale is exact, so its floor is the integer quotient and
         each quotient's value, computed once by the core, holds for all its positions (seven small
-        operators a step less: ~0.1 ms of a decode step after the weights swept the caches)."""
-        scale, setting = attention.floor_scale, (attention.floor_scale, attention.attn_scale)
+        operators a step less: ~0.1 ms of a decode step after the weights swept the caches); elsewhere
+        the core's formula runs each time."""
+        scale = attention.floor_scale
         power_of_two = scale >= 1 and float(scale).is_integer() and int(scale) & (int(scale) - 1) == 0
-        exact = power_of_two and position + 1 <= 1 << 24
-        key = (*setting, (position + 1) // int(scale)) if exact else setting
-        memo = self.temperatures if exact else step
-        if key not in memo:
-            memo[key] = float(attention.temperature(positions_bs))
-        return memo[key]
+        if not (power_of_two and position + 1 <= 1 << 24):
+            return float(attention.temperature(positions_bs))
+        key = (scale, attention.attn_scale, (position + 1) // int(scale))
+        if key not in self.temperatures:
+            self.temperatures[key] = float(attention.temperature(positions_bs))
+        return self.temperatures[key]
 
     @staticmethod
     def _plan_args(attention: Attention, moe: MoE, norm1: RMSNorm, norm2: RMSNorm, layer, weights: tuple) -> tuple:
-        return (attention.use_rope, layer, _cache_args(attention.cache), (moe.router_fp32(), *weights),
-                (norm1.weight, norm1.eps, norm2.weight, norm2.eps))  # fmt: skip
+        return (attention.use_rope, layer, *_block_args(attention, moe, norm1, norm2, weights))
 
 
 def _moe_one_token(x_1D: torch.Tensor, router_ED: torch.Tensor, weights: tuple) -> Optional[torch.Tensor]:

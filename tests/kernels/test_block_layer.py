@@ -263,7 +263,7 @@ def test_the_temperature_is_the_cores_at_every_position(built):
             hook.temperatures.clear()
             for p in positions + positions[::-1]:  # afresh, then from the memo
                 t = torch.tensor([[p]])
-                assert hook._temperature(attention, p, t, {}) == float(attention.temperature(t)), (scale, p)
+                assert hook._temperature(attention, p, t) == float(attention.temperature(t)), (scale, p)
             # the memo holds one value per quotient, for the exact positions only (up to 2^24 - 1)
             want = {(p + 1) // s for p in positions if p + 1 <= 2**24} if scale == kept else set()
             assert {key[-1] for key in hook.temperatures} == want
