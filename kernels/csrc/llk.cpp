@@ -457,8 +457,9 @@ static inline LLK_INLINE __m512 block_dot(const __m512i z[4], const uint16_t* xb
 // (vpermps), where a scalar load, a move into a vector register and a broadcast per block had the
 // weight loads stall (perf: 49% of the loop's samples on them, against 12% for w4a8's table path).
 // On 2 Zen 4 cores (family 25 model 17), int4 at batch 1, the two loops switched at run time in one
-// process, calls alternating, best of 7 x 10 (not yet measured on a Zen 5): 65536 x 5120 1.14-1.46x the speed in three runs, 202048 x 2048
-// 0.94-1.24x, 16384 x 5120 1.10-1.32x; 4 and 8 rows 0.99-1.06x; w4a8 0.93-1.09x (noise).
+// process, calls alternating, best of 7 x 10 (not yet measured on a Zen 5): 65536 x 5120 1.14-1.46x
+// the speed in three runs, 202048 x 2048 0.94-1.24x, 16384 x 5120 1.10-1.32x; 4 and 8 rows
+// 0.99-1.06x; w4a8 0.93-1.09x (noise).
 template <int SF, int MR, bool CHUNKED>
 __attribute__((noinline)) static void dp_row_int4_g128(const LlkArgs& a, const LlkWeight& w, int64_t e, int64_t n,
                                                        const uint16_t* x, const Tables& t, int64_t b0, int64_t b1,
